@@ -1,0 +1,86 @@
+"""What the embedded engine is launched with, what a request asks of it, and what it reports back."""
+from dataclasses import dataclass, field
+
+DRAFTERS = ("none", "ngram", "early_exit", "draft_model", "quantized_self")
+DRAFT_POLICIES = ("fixed", "adaptive", "estimator")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
+COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
+
+
+@dataclass
+class EngineConfig:
+    """Launch-time settings: one field per `autotune serve` flag of the same name."""
+
+    model: str | None = None  # GGUF file or HF safetensors directory; None = bundled SmolLM2-135M
+    draft_model: str | None = None  # second checkpoint for drafter=draft_model (same vocabulary)
+    drafter: str = "none"
+    draft_length: int = 4  # k: tokens proposed per verify step (the starting point for dynamic policies)
+    draft_policy: str = "fixed"
+    draft_estimator: str | None = None  # estimator.json or draft_length_estimator.py for policy=estimator
+    early_exit_layers: int = 8  # L for drafter=early_exit
+    ngram_min: int = 1  # prompt-lookup match window, shortest
+    ngram_max: int = 4  # and longest suffix tried
+    verify_slots: int = 4  # sequences decoded/verified together per step (continuous batching width)
+    prefill_ubatch: int = 256  # prompt tokens per prefill chunk
+    dtype: str = "float32"
+    quantization: str = "none"  # weight-only int8 of the target
+    compile: str = "none"
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_seq_len: int = 2048  # KV cache length per slot
+    seed: int = 0
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy, exact
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    seed: int | None = None
+    draft_length: int | None = None  # per-request override of k (runtime knob the tuner sets per request)
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    prompt_text: str = ""  # for estimator policies that read the prompt
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters of one request (or of the whole engine, summed)."""
+
+    verify_steps: int = 0  # target forward passes that produced tokens (prefill excluded)
+    draft_tokens: int = 0  # tokens proposed by the drafter
+    accepted_tokens: int = 0  # proposed tokens the target accepted
+    rejections: int = 0  # verify steps that stopped at a rejected proposal
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """Streamed from the scheduler to whoever submitted the request, in order.
+
+    Every event carries the new token ids since the last one (possibly empty); the last event has
+    finish_reason set ("stop", "length", "abort" or "error") and the final stats.
+    """
+
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec: SpecStats | None = None
+    prompt_entropy: float | None = None  # mean next-token entropy (nats) over the first 32 prompt tokens
+    error: str | None = None

@@ -1,0 +1,170 @@
+"""A llama/qwen2-style decoder in plain PyTorch (after gpt-fast's model.py).
+
+RMSNorm, rotary embeddings (HF "rotate half" layout), grouped-query attention, SwiGLU, and a
+fixed-size KV cache with one row per serving slot. Every row of a batch carries its own positions,
+so sequences at different lengths decode and verify together in one forward pass.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2 has biases on q, k and v
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer for `slots` sequences of up to `max_len` tokens."""
+
+    def __init__(self, args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        shape = (args.n_layers, slots, args.n_kv_heads, max_len, args.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_len = max_len
+
+    def update(self, layer: int, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int):
+        """Write k, v ([B, T, Hkv, D]) at input_pos ([B, T]) and return the first kv_len positions.
+
+        `rows` names the cache slots of the batch rows; None means slots 0..B-1 (a view, no copy).
+        """
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        batch = input_pos.shape[0]
+        slot_index = (torch.arange(batch, device=input_pos.device) if rows is None else rows)[:, None]
+        k_cache[slot_index, :, input_pos] = k
+        v_cache[slot_index, :, input_pos] = v
+        if rows is None:
+            return k_cache[:batch, :, :kv_len], v_cache[:batch, :, :kv_len]
+        return k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 like the reference implementations; bf16 variance drifts.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, device=device).float() / args.head_dim))
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, :, None, :] + rotated * sin[:, :, None, :]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, rows, input_pos, kv_len):
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.update(self.layer, rows, input_pos, k, v, kv_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attention = Attention(args, layer)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, rows, input_pos, kv_len):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, rows, input_pos, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        input_pos: Tensor,
+        cache: KVCache,
+        rows: Tensor | None = None,
+        num_layers: int | None = None,
+        kv_len: int | None = None,
+        logits_from: int = 0,
+    ) -> Tensor:
+        """Logits [B, T - logits_from, V] for input_ids [B, T] at positions input_pos [B, T].
+
+        num_layers < n_layers runs only the first layers (early-exit drafting; the final norm and
+        head are shared). kv_len bounds the attended cache (defaults to the whole cache; pass the
+        largest position + 1 to skip empty cache on CPU). logits_from skips the head for prefill
+        positions whose logits nobody reads.
+        """
+        kv_len = kv_len or cache.max_len
+        mask = (torch.arange(kv_len, device=input_pos.device)[None, None, :] <= input_pos[:, :, None])[:, None]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers[: num_layers or len(self.layers)]:
+            x = layer(x, cos, sin, mask, cache, rows, input_pos, kv_len)
+        return self.output(self.norm(x[:, logits_from:]))
