@@ -1,0 +1,183 @@
+"""Collects raw evidence from this machine as one JSON-able dict, in the format of a fixture's probe.json.
+
+Nothing here raises: a source that fails is recorded as {"error": "..."} or a note, and the next one is tried.
+"""
+import importlib.metadata
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+# Per-device NVML getters that take only the handle; their results go into the evidence under their own names.
+NVML_DEVICE_CALLS = (
+    "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetPowerManagementLimitConstraints",
+    "nvmlDeviceGetPowerManagementDefaultLimit", "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetBoardPartNumber", "nvmlDeviceGetArchitecture", "nvmlDeviceGetNumGpuCores",
+    "nvmlDeviceGetMigMode", "nvmlDeviceGetModuleId", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMultiGpuBoard",
+)
+# nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
+NVML_TOPOLOGY_LABELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+VERSIONED_PACKAGES = ("torch", "sglang", "vllm")  # read from package metadata: importing sglang/vllm is slow and noisy
+
+
+def _error(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _jsonable(value):
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "_fields_"):  # an NVML ctypes struct
+        return {name: _jsonable(getattr(value, name)) for name, *_ in value._fields_}
+    return value
+
+
+def _call(fn, *args):
+    try:
+        return _jsonable(fn(*args))
+    except Exception as e:  # NVMLError_NotSupported and friends: evidence, not a failure
+        return _error(e)
+
+
+def _nvml_device(pynvml, handle) -> dict:
+    device = {}
+    for name in NVML_DEVICE_CALLS:
+        fn = getattr(pynvml, name, None)
+        device[name] = _call(fn, handle) if fn else {"error": "not in this nvidia-ml-py"}
+    links = range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))
+    device["nvlink_states"] = [_call(pynvml.nvmlDeviceGetNvLinkState, handle, link) for link in links]
+    active = [link for link, state in zip(links, device["nvlink_states"]) if state == 1]
+    device["nvlink_versions"] = [_call(pynvml.nvmlDeviceGetNvLinkVersion, handle, link) for link in active]
+    remote = [_call(pynvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link) for link in active]
+    device["nvlink_remote_bus_ids"] = [r.get("busId") for r in remote if isinstance(r, dict) and "busId" in r]
+    return device
+
+
+def _nvml_topology(pynvml, handles, devices) -> dict:
+    bus_ids = [(d["nvmlDeviceGetPciInfo"] or {}).get("busId", "").lower() for d in devices]
+    links = []
+    for i, (hi, di) in enumerate(zip(handles, devices)):
+        row = []
+        for j, hj in enumerate(handles):
+            nv = sum(1 for remote in di["nvlink_remote_bus_ids"] if remote.lower() == bus_ids[j])
+            if i == j:
+                row.append("X")
+            elif nv:
+                row.append(f"NV{nv}")
+            else:
+                level = _call(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
+                row.append(NVML_TOPOLOGY_LABELS.get(level, "?") if isinstance(level, int) else "?")
+        links.append(row)
+    return {"source": "NVML (NVLink remote PCI ids, topology common ancestor)",
+            "devices": [f"GPU{i}" for i in range(len(handles))], "links": links}
+
+
+def gather_nvml() -> dict:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # no driver, no library, or a driver/library mismatch
+        return {"nvml_error": _error(e)["error"]}
+    evidence = {
+        "driver": _call(pynvml.nvmlSystemGetDriverVersion),
+        "nvml_version": _call(pynvml.nvmlSystemGetNVMLVersion),
+        "cuda_driver_version": _call(pynvml.nvmlSystemGetCudaDriverVersion),
+    }
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        evidence["devices"] = [_nvml_device(pynvml, h) for h in handles]
+        if len(handles) > 1:
+            evidence["topology_nvml"] = _nvml_topology(pynvml, handles, evidence["devices"])
+    except Exception as e:
+        evidence["nvml_error"] = _error(e)["error"]
+    try:
+        pynvml.nvmlShutdown()
+    except Exception:
+        pass  # nothing left to learn from a failed shutdown
+    return evidence
+
+
+def _run(argv: list[str]) -> str | dict:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return _error(e)
+    return done.stdout if done.returncode == 0 else {"error": f"exit {done.returncode}: {done.stderr.strip()[:300]}"}
+
+
+def gather_nvidia_smi() -> dict:
+    if not shutil.which("nvidia-smi"):
+        return {"nvidia_smi_error": "nvidia-smi not found on PATH"}
+    return {"nvidia_smi_q": _run(["nvidia-smi", "-q"]), "nvidia_smi_topo": _run(["nvidia-smi", "topo", "-m"])}
+
+
+def nvidia_driver_present() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
+def gather_torch() -> dict:
+    """CUDA device properties from torch; only worth importing torch when an NVIDIA driver is loaded."""
+    if not nvidia_driver_present():
+        return {}
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"torch_error": "torch.cuda.is_available() is False"}
+        return {"torch_devices": [
+            {key: getattr(p, key) for key in ("name", "total_memory", "major", "minor", "multi_processor_count")}
+            for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
+        ]}
+    except Exception as e:
+        return {"torch_error": _error(e)["error"]}
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _cgroup_cpus() -> float | None:
+    quota, _, period = (_read("/sys/fs/cgroup/cpu.max") or "max").partition(" ")
+    return int(quota) / int(period) if quota.strip().isdigit() and period.strip().isdigit() else None
+
+
+def gather_cpu() -> dict:
+    cpuinfo = _read("/proc/cpuinfo") or ""
+    memory_max = (_read("/sys/fs/cgroup/memory.max") or "").strip()
+    return {
+        "cpu": _run(["lscpu"]) if shutil.which("lscpu") else {"error": "lscpu not found"},
+        "cpuinfo": cpuinfo.split("\n\n")[0],  # the first processor's block; the others repeat it
+        "cpuinfo_processors": cpuinfo.count("processor\t:"),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cgroup_cpus": _cgroup_cpus(),
+        "meminfo": "\n".join((_read("/proc/meminfo") or "").splitlines()[:3]),
+        "cgroup_memory_max": int(memory_max) if memory_max.isdigit() else None,
+        "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+    }
+
+
+def gather_versions() -> dict:
+    versions = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"versions": versions}
+
+
+def gather(gpus: bool = True) -> dict:
+    """Everything this machine says about itself; `gpus=False` skips NVML, nvidia-smi and torch."""
+    evidence = gather_versions() | gather_cpu()
+    if gpus:
+        evidence |= gather_nvml() | gather_nvidia_smi() | gather_torch()
+    return evidence

@@ -1,0 +1,82 @@
+"""Hardware profiles: one YAML file per machine kind in `hardware_profiles/` (a user adds a kind by dropping a file)."""
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from autotune import PROJECT_ROOT
+
+PROFILES_DIR = PROJECT_ROOT / "hardware_profiles"
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+FP8_MODES = ("native", "marlin_w8a16", "none")
+FORM_FACTORS = ("sxm", "nvl", "pcie", "cpu")
+
+
+@dataclass
+class Profile:
+    name: str  # the file name without .yaml: what `--gpu` takes
+    description: str
+    source_url: str  # the public spec sheet the numbers come from
+    form_factor: str  # sxm | nvl (PCIe card with NVLink bridges) | pcie | cpu
+    compute_capability: str | None
+    architecture: str | None
+    sm_count: int | None
+    memory_gb: float | None
+    memory_bandwidth_gbps: float | None
+    peak_tflops: dict[str, float | None]  # dense; a dtype absent = no such units; null = runs, peak unknown
+    fp8_mode: str  # native (cc >= 8.9) | marlin_w8a16 (Ampere: FP8 weights, 16-bit compute) | none
+    interconnect: dict  # {"nvlink": {generation, bandwidth_gbps, via} | None, "pcie": {generation, bandwidth_gbps} | None}
+    power_limit_w: float | None
+    match: dict | None  # name_patterns (regex), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never auto-matched
+    also_see: str | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.form_factor != "cpu"
+
+    def supports_dtype(self, dtype: str) -> bool:
+        """True when the hardware computes in `dtype` (FP8 via Marlin is weight-only: see `fp8_mode`)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        return dtype in self.peak_tflops
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _load(path: Path) -> Profile:
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a hardware profile must be a YAML mapping")
+    try:
+        profile = Profile(name=path.stem, **data)
+    except TypeError as e:  # missing or unknown field
+        raise ValueError(f"{path}: {e}".replace("Profile.__init__() ", "")) from None
+    problems = []
+    if profile.form_factor not in FORM_FACTORS:
+        problems.append(f"form_factor must be one of {', '.join(FORM_FACTORS)}")
+    if profile.fp8_mode not in FP8_MODES:
+        problems.append(f"fp8_mode must be one of {', '.join(FP8_MODES)}")
+    if unknown := set(profile.peak_tflops) - set(DTYPES):
+        problems.append(f"peak_tflops has unknown dtypes {sorted(unknown)}")
+    if profile.fp8_mode == "native" and "fp8" not in profile.peak_tflops:
+        problems.append("fp8_mode native needs a peak_tflops.fp8 entry")
+    if profile.match is not None and not profile.match.get("name_patterns"):
+        problems.append("match needs name_patterns")
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
+    return profile
+
+
+def load_profiles(extra_dir: str | Path | None = None) -> dict[str, Profile]:
+    """All profiles by name: the shipped ones, then `extra_dir`'s (a same-named file there wins)."""
+    dirs = [PROFILES_DIR] + ([Path(extra_dir)] if extra_dir else [])
+    return {p.stem: _load(p) for d in dirs for p in sorted(Path(d).glob("*.yaml"))}
+
+
+def get_profile(name: str, profiles: dict[str, Profile] | None = None) -> Profile:
+    profiles = profiles if profiles is not None else load_profiles()
+    key = name.strip().lower()
+    if key not in profiles:
+        raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(profiles))}")
+    return profiles[key]
