@@ -1,0 +1,44 @@
+"""Prometheus text exposition (format 0.0.4) of the embedded engine's counters, from Engine.stats().
+
+Metrics served on GET /metrics (all engine-wide, since start):
+  autotune_requests_total                  counter  generation requests submitted to the engine
+  autotune_prompt_tokens_total             counter  prompt tokens prefilled
+  autotune_generation_tokens_total         counter  tokens generated
+  autotune_requests_running                gauge    requests holding a decode slot now
+  autotune_requests_waiting                gauge    requests queued for a slot now (queue depth)
+  autotune_spec_verify_steps_total         counter  target forward passes that produced tokens
+  autotune_spec_draft_tokens_total         counter  tokens proposed by the drafter
+  autotune_spec_accepted_tokens_total      counter  proposed tokens the target accepted
+  autotune_spec_rejections_total           counter  verify steps that ended at a rejected proposal
+  autotune_spec_accept_length              gauge    tokens per verify step, (accepted + steps) / steps
+  autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
+  autotune_spec_draft_seconds_total        counter  time spent drafting
+  autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes
+"""
+
+# (Engine.stats() key, metric name, type, help)
+METRICS = (
+    ("requests_total", "autotune_requests_total", "counter", "Generation requests submitted to the engine."),
+    ("prompt_tokens_total", "autotune_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
+    ("generation_tokens_total", "autotune_generation_tokens_total", "counter", "Tokens generated."),
+    ("requests_running", "autotune_requests_running", "gauge", "Requests holding a decode slot."),
+    ("requests_waiting", "autotune_requests_waiting", "gauge", "Requests queued for a slot (queue depth)."),
+    ("verify_steps", "autotune_spec_verify_steps_total", "counter", "Target passes that produced tokens."),
+    ("draft_tokens", "autotune_spec_draft_tokens_total", "counter", "Tokens proposed by the drafter."),
+    ("accepted_tokens", "autotune_spec_accepted_tokens_total", "counter", "Proposed tokens the target accepted."),
+    ("rejections", "autotune_spec_rejections_total", "counter", "Verify steps ended by a rejected proposal."),
+    ("accept_length", "autotune_spec_accept_length", "gauge", "Mean tokens per verify step."),
+    ("accept_rate", "autotune_spec_accept_rate", "gauge", "Accepted / proposed draft tokens."),
+    ("draft_seconds_total", "autotune_spec_draft_seconds_total", "counter", "Seconds spent drafting."),
+    ("verify_seconds_total", "autotune_spec_verify_seconds_total", "counter", "Seconds spent verifying."),
+)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render(stats: dict) -> str:
+    lines = []
+    for key, name, kind, help_text in METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(stats[key])!r}"]
+    return "\n".join(lines) + "\n"
+
