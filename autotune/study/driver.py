@@ -1,0 +1,403 @@
+"""The trial loop behind `autotune run`.
+
+One trial: suggest a config -> engine rules, hardware conditions, memory fit (rejected before any
+launch) -> dedupe by the engine's effective settings (a duplicate reuses the recorded result) ->
+reuse the running server when only runtime parameters changed, else launch -> quick measurement
+(pruned if hopeless) -> full benchmark -> SLO -> record everything in user_attrs -> tell Optuna.
+
+How outcomes reach the sampler. Optuna's TPE ignores FAIL trials, so a crash recorded as FAIL
+would be proposed again and again. Every failure is therefore told as PRUNED with a positive
+`feasible` constraint (Optuna 5's `trial.set_constraint`, which replaces `constraints_func`):
+TPE ranks infeasible trials below every feasible one and samples away from them. An SLO miss is a
+COMPLETE trial with its measured values and a positive `slo` constraint. `user_attrs["status"]`
+says in words what happened (ok, infeasible, pruned, rejected, failed, duplicate, interrupted).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.space import constraints
+from autotune.space.space import Space, SpaceError, load_overrides, load_space, parse_set_options, parse_space
+from autotune.study import objectives, storage
+from autotune.study.live import LiveView
+
+DEFAULT_TRIALS = 25
+MAX_IDLE_ASKS = 60  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
+
+
+@dataclass
+class RunOptions:
+    engine: str = "embedded"
+    model: str | None = None
+    draft_model: str | None = None
+    workload: str = "code"
+    slo: str | None = None
+    objective: str = "throughput"
+    trials: int = DEFAULT_TRIALS
+    budget_s: float | None = None
+    study: str | None = None
+    storage: str | None = None
+    resume: bool = False
+    sets: list[str] = field(default_factory=list)  # --set name=value
+    space: str | None = None  # a full space YAML (has `parameters`) or a narrowing file
+    concurrency: int | None = None
+    num_requests: int | None = None
+    quick_requests: int | None = None
+    max_tokens: int | None = None
+    gpu: str = "auto"
+    studies_root: str | None = None
+    launch_timeout_s: float = 300.0
+    seed: int = 0
+    live: bool = True
+
+
+@dataclass
+class Plan:
+    """Everything checked before storage is touched: bad input stops here, leaving study.db as it was."""
+    opts: RunOptions
+    name: str
+    storage: str
+    directory: Path
+    space: Space
+    adapter: object
+    hardware: object
+    workload: object
+    slo: object | None
+    shape: constraints.ModelShape | None
+    draft_shape: constraints.ModelShape | None
+
+
+def plan(opts: RunOptions) -> Plan:
+    """Resolve and validate every input; raises ValueError (one line) on anything unusable."""
+    from autotune.bench import load_workload, parse_slo
+    from autotune.engines import get_adapter
+    from autotune.hardware import probe
+
+    objectives.metrics(opts.objective)
+    if opts.trials < 1:
+        raise ValueError("--trials must be at least 1")
+    for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
+        if path and not Path(path).exists():
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    adapter = get_adapter(opts.engine)  # raises with a one-line reason when the engine is not usable here
+    space = load_space(opts.engine)
+    overrides: dict = {}
+    if opts.space:
+        data = load_overrides(opts.space)
+        if "parameters" in data:
+            space = parse_space(data, source=opts.space)
+        else:
+            overrides.update(data)
+    overrides.update(parse_set_options(opts.sets))
+    space = space.narrowed(overrides)
+    hardware = probe(opts.gpu)
+    shape = constraints.model_shape(opts.model)
+    draft_shape = constraints.model_shape(opts.draft_model) if opts.draft_model else None
+    space = constraints.restrict_space(space, hardware, shape, opts.draft_model)
+    workload = load_workload(opts.workload)
+    slo = parse_slo(opts.slo) if opts.slo else None
+    name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    directory = storage.study_dir(name, opts.studies_root)
+    url = opts.storage or storage.default_storage(name, opts.studies_root)
+    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, draft_shape)
+
+
+# -- servers ---------------------------------------------------------------------------------------
+class Servers:
+    """At most one engine server at a time; relaunched only when a launch-time parameter changes."""
+
+    def __init__(self, p: Plan):
+        self.p = p
+        self.server = None  # the launcher of the running server
+        self.launch_config: dict | None = None
+        self.launches = 0
+        self.saved = 0
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.alive()
+
+    def ensure(self, config: dict, log: Path) -> tuple[str, dict]:
+        """Bring up a server running `config`; returns (how: launched|reused, launch record)."""
+        from autotune.engines.launcher import Launcher, free_port
+
+        space, adapter = self.p.space, self.p.adapter
+        if self.alive() and space.launch_part(config) == self.launch_config:
+            runtime = {k: v for k, v in config.items() if k in space.runtime_names()}
+            adapter.apply_runtime(self.server.base_url, runtime)
+            self.saved += 1
+            return "reused", {"argv": self.server.argv, "log": str(self.server.log_path)}
+        self.stop()
+        port = free_port()
+        argv, env = adapter.command(config, model=self.p.opts.model, draft_model=self.p.opts.draft_model,
+                                    host="127.0.0.1", port=port)
+        self.server = Launcher(argv, env=env, log_path=log, health_url=adapter.health_url(f"http://127.0.0.1:{port}"),
+                               base_url=f"http://127.0.0.1:{port}")
+        self.launches += 1
+        self.launch_config = None
+        self.server.start(timeout=self.p.opts.launch_timeout_s)  # raises LaunchError(kind, message, log_tail)
+        self.launch_config = space.launch_part(config)
+        return "launched", {"argv": argv, "env": env, "log": str(log)}
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+        self.server, self.launch_config = None, None
+
+
+# -- the loop --------------------------------------------------------------------------------------
+class Stop:
+    """Ctrl-C: the first asks to stop after the current trial, the second interrupts it."""
+
+    def __init__(self, view: LiveView):
+        self.requested, self.view, self.previous = False, view, None
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.view.note("Ctrl-C: stopping after the current trial (Ctrl-C again to abort it)")
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+@dataclass
+class Outcome:
+    name: str
+    storage: str
+    directory: Path
+    best: optuna.trial.FrozenTrial | None
+    default: optuna.trial.FrozenTrial | None
+    gain: float | None
+    launches: int
+    launches_saved: int
+    stale_failed: int
+    interrupted: bool
+
+
+def run_study(p: Plan, console=None) -> Outcome:
+    opts = p.opts
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
+    study, stale = storage.open_study(p.name, p.storage, objectives.directions(opts.objective), sampler,
+                                      objectives.make_pruner(opts.objective), opts.resume)
+    (p.directory / "logs").mkdir(parents=True, exist_ok=True)
+    storage.write_provenance(p.directory / "provenance.json", hardware=p.hardware, engine=opts.engine,
+                             model=opts.model or str(constraints.bundled_model()), draft_model=opts.draft_model,
+                             workload=opts.workload, space_source=p.space.source)
+    study.set_user_attr("engine", opts.engine)
+    study.set_user_attr("objective", opts.objective)
+    study.set_user_attr("workload", opts.workload)
+    defaults = p.space.defaults()
+    if not opts.resume:
+        for config in p.space.seed_configs():
+            study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed": config == defaults})
+    servers = Servers(p)
+    view = LiveView(opts.objective, defaults, console=console, enabled=opts.live)
+    measured = sum(t.user_attrs.get("measured", False) for t in study.get_trials(deepcopy=False))
+    start, idle, interrupted = time.monotonic(), 0, False
+    durations: list[float] = []
+    with view, Stop(view) as stop:
+        view.show_history(study)
+        try:
+            while measured < opts.trials and not stop.requested and idle < MAX_IDLE_ASKS:
+                if opts.budget_s and durations:
+                    left = opts.budget_s - (time.monotonic() - start)
+                    if left < sorted(durations)[len(durations) // 2]:  # the next trial would overrun
+                        view.note(f"budget reached after {time.monotonic() - start:.0f} s")
+                        break
+                t0 = time.monotonic()
+                trial = study.ask()
+                frozen = run_trial(study, trial, p, servers, view)
+                if frozen.user_attrs.get("measured"):
+                    measured, idle = measured + 1, 0
+                    durations.append(time.monotonic() - t0)
+                else:
+                    idle += 1
+                view.finished(frozen, study)
+        except KeyboardInterrupt:
+            interrupted = True
+            running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+            for t in running:
+                study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
+                study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        finally:
+            servers.stop()
+            launches_saved = int(study.user_attrs.get("launches_saved", 0)) + servers.saved
+            study.set_user_attr("launches_saved", launches_saved)
+            study.set_user_attr("launches", int(study.user_attrs.get("launches", 0)) + servers.launches)
+            storage.write_trials(study, p.directory / "trials.parquet")
+    best, default, gain = summarize(study, opts.objective, defaults)
+    if best is not None:
+        study.set_user_attr("best_trial", best.number)
+        study.set_user_attr("gain_over_default", gain)
+    view.summary(best, default, gain, launches=study.user_attrs["launches"], saved=launches_saved,
+                 directory=p.directory, interrupted=interrupted or stop.requested)
+    return Outcome(p.name, p.storage, p.directory, best, default, gain, study.user_attrs["launches"],
+                   launches_saved, stale, interrupted or stop.requested)
+
+
+def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Servers, view: LiveView):
+    """One trial from suggestion to tell; returns its frozen record."""
+    opts, t_start = p.opts, time.monotonic()
+    config = p.space.suggest(trial)
+    attrs = {"config": config}
+    view.started(trial.number, config)
+
+    def finish(state, values=None, constraint: str | None = None, amount: float = 1.0, **more):
+        attrs.update(more)
+        attrs["timings"] = {**attrs.get("timings", {}), "total_s": round(time.monotonic() - t_start, 3)}
+        for k, v in _json_ready(attrs).items():
+            trial.set_user_attr(k, v)
+        if constraint:
+            trial.set_constraint(constraint, amount)
+        study.tell(trial, values, state=state)
+        return study.get_trials(deepcopy=False)[trial.number]
+
+    # 1. rules, hardware, memory: rejected before any launch, with the reason and numbers.
+    violations = [f"rule: {v}" for v in p.adapter.check(config, p.hardware)]
+    violations += [f"hardware: {v}" for v in constraints.hardware_violations(config, p.hardware, p.shape)]
+    fit = constraints.estimate_memory(config, p.hardware, p.shape, p.draft_shape)
+    if fit is not None:
+        attrs["memory"] = {"need_gb": round(fit.need_gb, 3), "have_gb": round(fit.have_gb, 3),
+                           **{k: round(v, 3) for k, v in fit.detail.items()}}
+        if not fit.fits:
+            violations.append(fit.reason())
+    if violations:
+        kind = violations[0].split(":")[0]
+        return finish(TrialState.PRUNED, constraint="feasible", status="rejected", failure_kind=kind,
+                      failure="; ".join(violations), violations=violations)
+
+    # 2. dedupe: the engine would run exactly what an earlier trial ran.
+    effective = p.adapter.effective(config)
+    key = json.dumps(effective, sort_keys=True, default=str)
+    attrs.update(effective=effective, effective_key=key)
+    for earlier in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if earlier.user_attrs.get("effective_key") == key and earlier.user_attrs.get("status") != "duplicate":
+            copied = {k: v for k, v in earlier.user_attrs.items() if k not in ("config", "seed", "measured", "timings")}
+            attrs.update(copied)
+            for name, amount in earlier.constraints.items():
+                trial.set_constraint(name, amount)
+            return finish(earlier.state, earlier.values if earlier.state == TrialState.COMPLETE else None,
+                          status="duplicate", duplicate_of=earlier.number, original_status=earlier.user_attrs.get("status"))
+
+    # 3. launch, or reuse the running server when only runtime parameters differ.
+    from autotune.engines.launcher import LaunchError
+
+    log = p.directory / "logs" / f"trial-{trial.number}.log"
+    view.phase(trial.number, "launching")
+    t0 = time.monotonic()
+    try:
+        how, launch = servers.ensure(config, log)
+    except LaunchError as e:
+        servers.stop()
+        tail = getattr(e, "log_tail", "") or ""
+        return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind=e.kind,
+                      failure=str(e.message if hasattr(e, "message") else e), log_tail=tail[-2000:],
+                      log=str(log), launch="launched", timings={"launch_s": round(time.monotonic() - t0, 3)},
+                      measured=True, argv=getattr(e, "argv", None) or _argv_of(servers))
+    attrs.update(launch=how, argv=launch["argv"], log=launch["log"], measured=True,
+                 timings={"launch_s": round(time.monotonic() - t0, 3)})
+    if "env" in launch:
+        attrs["env"] = launch["env"]
+
+    # 4. quick first measurement (also the warm-up), then the full benchmark.
+    try:
+        quick = measure(p, servers, opts.quick_requests or _quick_size(p), warm=True)
+        attrs["quick"] = quick
+        attrs["timings"]["quick_s"] = quick.get("duration_s")
+        first = objectives.values(quick, opts.objective)
+        if first is not None and len(study.directions) == 1:
+            trial.report(first[0], step=0)
+            if trial.should_prune():
+                return finish(TrialState.PRUNED, status="pruned",
+                              failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
+        view.phase(trial.number, "benchmarking")
+        summary = measure(p, servers, opts.num_requests, warm=False)
+    except BenchFailure as e:
+        servers.stop()
+        return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind=e.kind, failure=str(e))
+    attrs["metrics"] = summary
+    attrs["timings"]["bench_s"] = summary.get("duration_s")
+    values = objectives.values(summary, opts.objective)
+    if values is None or not summary.get("completed"):
+        return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind="errors",
+                      failure=f"no request completed ({summary.get('errors_by_kind') or 'no metrics'})")
+
+    # 5. SLO and errors: measured, but infeasible.
+    misses = p.slo.check(summary) if p.slo else []
+    if summary.get("error_rate"):
+        misses.append(f"error_rate {summary['error_rate']:.3g} > 0 ({summary.get('errors_by_kind')})")
+    if misses:
+        return finish(TrialState.COMPLETE, values, constraint="slo", amount=float(len(misses)),
+                      status="infeasible", failure_kind="slo", failure="; ".join(misses))
+    trial.set_constraint("slo", 0.0)
+    return finish(TrialState.COMPLETE, values, status="ok")
+
+
+class BenchFailure(RuntimeError):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _quick_size(p: Plan) -> int:
+    return max(2, p.opts.concurrency or 4)
+
+
+def measure(p: Plan, servers: Servers, num_requests: int | None, warm: bool) -> dict:
+    """One benchmark run against the current server; raises BenchFailure when the server dies."""
+    from autotune.bench import run_benchmark
+
+    t0 = time.monotonic()
+    try:
+        result = run_benchmark(servers.server.base_url, p.workload, concurrency=p.opts.concurrency,
+                               num_requests=num_requests, max_tokens=p.opts.max_tokens, seed=p.opts.seed,
+                               server_pid=servers.server.pid, progress=False)
+    except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
+        kind = "crash" if not servers.alive() else "bench"
+        raise BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not servers.alive():
+        raise BenchFailure("crash", f"server exited during the benchmark (see {servers.server.log_path})")
+    summary = _json_ready(dict(result.summary))
+    summary["duration_s"] = round(time.monotonic() - t0, 3)
+    return summary
+
+
+def _argv_of(servers: Servers):
+    return getattr(servers.server, "argv", None)
+
+
+def _json_ready(obj):
+    """Optuna stores user attrs as JSON: numpy scalars and the like become plain numbers/text."""
+    return json.loads(json.dumps(obj, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def summarize(study: optuna.Study, objective: str, defaults: dict):
+    """(winner, the default configuration's trial, winner's gain over it) among measured trials."""
+    ok = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+          if t.user_attrs.get("status") in ("ok",) or
+          (t.user_attrs.get("status") == "duplicate" and t.user_attrs.get("original_status") == "ok")]
+    if not ok:
+        return None, None, None
+    _, direction = objectives.metrics(objective)[0]
+    pick = max if direction == "maximize" else min
+    best = pick(ok, key=lambda t: t.values[0])
+    measured = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))  # an SLO miss still has a speed
+    default = next((t for t in measured if t.user_attrs.get("config") == defaults), None)
+    gain = None
+    if default is not None and default.values[0] and best.values[0]:
+        gain = best.values[0] / default.values[0] if direction == "maximize" else default.values[0] / best.values[0]
+    return best, default, gain
+

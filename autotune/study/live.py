@@ -1,0 +1,138 @@
+"""A live table of trials as they finish, the best so far, and the closing summary."""
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from autotune.study import objectives
+
+STATUS_STYLE = {"ok": "green", "infeasible": "yellow", "pruned": "cyan", "rejected": "magenta",
+                "failed": "red", "duplicate": "dim", "interrupted": "red"}
+
+
+def _fmt(value, digits=1):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def config_text(config: dict, defaults: dict) -> str:
+    """Only what differs from the engine defaults: the table stays narrow."""
+    diff = [f"{k}={v}" for k, v in config.items() if defaults.get(k, object()) != v]
+    return " ".join(diff) or "(defaults)"
+
+
+class LiveView:
+    def __init__(self, objective: str, defaults: dict | None = None, console: Console | None = None,
+                 enabled: bool = True):
+        self.objective, self.defaults = objective, defaults or {}
+        self.console = console or Console()
+        self.enabled = enabled
+        self.rows: list[tuple] = []
+        self.best_number: int | None = None
+        self.best_value: list[float] | None = None
+        self.current = ""
+        self.live = Live(console=self.console, refresh_per_second=4, transient=False) \
+            if enabled and self.console.is_terminal else None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def __enter__(self):
+        if self.live:
+            self.live.start()
+            self._refresh()
+        return self
+
+    def __exit__(self, *exc):
+        self.current = ""
+        if self.live:
+            self._refresh()
+            self.live.stop()
+
+    def note(self, message: str):
+        if self.enabled:
+            self.console.print(f"[bold]{message}[/]")
+
+    def started(self, number: int, config: dict):
+        self.current = f"trial {number}: {config_text(config, self.defaults)}"
+        self._refresh()
+
+    def phase(self, number: int, what: str):
+        self.current = f"trial {number}: {what}"
+        self._refresh()
+
+    def show_history(self, study):
+        for trial in study.get_trials(deepcopy=False):
+            if trial.state.is_finished():
+                self._add(trial)
+        self._refresh()
+
+    def finished(self, trial, study):
+        self._add(trial)
+        self.current = ""
+        if self.enabled and not self.live:  # not a terminal: one line per trial instead of a redrawn table
+            self.console.print(" | ".join(str(c) for c in self.rows[-1]))
+        self._refresh()
+
+    # -- rendering --------------------------------------------------------------------------------
+    def _add(self, trial):
+        a = trial.user_attrs
+        m = a.get("metrics") or {}
+        status = a.get("status", trial.state.name.lower())
+        if status == "ok" or (status == "duplicate" and a.get("original_status") == "ok"):
+            values = list(trial.values or [])
+            if values and objectives.is_better(values, self.best_value, self.objective):
+                self.best_number, self.best_value = trial.number, values
+        reason = a.get("failure_kind") or ""
+        self.rows.append((trial.number, status + (f" ({reason})" if reason else ""),
+                          config_text(a.get("config", trial.params), self.defaults),
+                          _fmt(m.get("output_tok_s")), _fmt(m.get("e2e_ms_p95"), 0), _fmt(m.get("itl_ms_p95")),
+                          _fmt(m.get("accept_length"), 2), a.get("launch", "-")))
+
+    def table(self) -> Table:
+        t = Table(title=f"autotune: trials ({self.objective})", expand=False)
+        for col, justify in (("#", "right"), ("status", "left"), ("config (vs defaults)", "left"),
+                             ("tok/s", "right"), ("p95 e2e ms", "right"), ("p95 ITL ms", "right"),
+                             ("accept len", "right"), ("server", "left")):
+            t.add_column(col, justify=justify, overflow="fold")
+        for row in self.rows:
+            style = STATUS_STYLE.get(row[1].split(" ")[0], "")
+            best = row[0] == self.best_number
+            t.add_row(*(str(c) for c in row), style=("bold " + style) if best else style)
+        return t
+
+    def _render(self):
+        parts = [self.table()]
+        if self.best_number is not None:
+            parts.append(Text(f"best so far: trial {self.best_number} ({self._metric_text(self.best_value)})",
+                              style="bold green"))
+        if self.current:
+            parts.append(Text(self.current, style="italic"))
+        return Group(*parts)
+
+    def _refresh(self):
+        if self.live:
+            self.live.update(self._render())
+
+    def _metric_text(self, values) -> str:
+        return ", ".join(f"{name} {v:.4g}" for (name, _), v in zip(objectives.metrics(self.objective), values))
+
+    def summary(self, best, default, gain, *, launches: int, saved: int, directory, interrupted: bool):
+        if not self.enabled:
+            return
+        c = self.console
+        if not self.live:
+            c.print(self.table())
+        if interrupted:
+            c.print("[yellow]stopped early (Ctrl-C); every finished trial is kept[/]")
+        if best is None:
+            c.print("[red]no trial met the requirements[/]; see the failure column and the logs in "
+                    f"{directory / 'logs'}")
+        else:
+            c.print(f"[bold green]winner: trial {best.number}[/] "
+                    f"{config_text(best.user_attrs.get('config', {}), self.defaults)} "
+                    f"({self._metric_text(best.values)})")
+            if gain is not None and default is not None:
+                c.print(f"gain over the engine defaults (trial {default.number}, same study): [bold]{gain:.2f}x[/]")
+            else:
+                c.print("the engine defaults were not measured in this study: no gain to report")
+        c.print(f"launches: {launches}, saved by reusing a running server: {saved}; study in {directory}")
