@@ -10,6 +10,9 @@ GIB = 2**30
 CORES_PER_SM = {"7.0": 64, "7.5": 64, "8.0": 64}  # every later architecture: 128
 ARCHITECTURES = {"7.0": "Volta", "7.5": "Turing", "8.0": "Ampere", "8.6": "Ampere", "8.7": "Ampere",
                  "8.9": "Ada Lovelace", "9.0": "Hopper", "10.0": "Blackwell", "12.0": "Blackwell"}
+# nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
+NVML_TOPOLOGY_LABELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+NVLINK_REMOTE_SWITCH = 2
 PCIE_MAX_POWER_W = 600  # the highest PCIe/NVL card limit (H200 NVL); SXM modules go beyond (H100/H200 SXM: 700 W)
 
 
@@ -65,9 +68,11 @@ def gpu_facts(index: int, nvml: dict, smi: dict, torch: dict) -> GpuInfo:
           _nvml(nvml, "nvmlDeviceGetPowerManagementLimit", lambda mw: mw / 1000),
           (smi_number(smi, *(p + k for p in power for k in ("Current Power Limit", "Power Limit"))),
            "nvidia-smi -q Current Power Limit"))
+    _pick(gpu, "power_default_w", _nvml(nvml, "nvmlDeviceGetPowerManagementDefaultLimit", lambda mw: mw / 1000),
+          (smi_number(smi, *(p + "Default Power Limit" for p in power)), "nvidia-smi -q Default Power Limit"))
     _pick(gpu, "power_max_w", _nvml(nvml, "nvmlDeviceGetPowerManagementLimitConstraints", lambda v: v[1] / 1000),
           (smi_number(smi, *(p + "Max Power Limit" for p in power)), "nvidia-smi -q Max Power Limit"),
-          _nvml(nvml, "nvmlDeviceGetPowerManagementDefaultLimit", lambda mw: mw / 1000),
+          (gpu.power_default_w, "no board maximum reported: the default limit"),
           (gpu.power_limit_w, "no board maximum reported: the enforced limit"))
     _pick(gpu, "board_part_number", _nvml(nvml, "nvmlDeviceGetBoardPartNumber"),
           (smi_value(smi, "Board Part Number"), "nvidia-smi -q Board Part Number"))
@@ -89,6 +94,27 @@ def _nvlink(nvml: dict) -> list[tuple]:
         return [(0, f"NVML nvmlDeviceGetNvLinkState: not supported on any of {len(states)} links "
                     "(no NVLink, or hidden from this VM)")]
     return [(answered.count(1), f"NVML nvmlDeviceGetNvLinkState: {answered.count(1)} of {len(states)} links active")]
+
+
+def nvml_topology(devices: list[dict], common_ancestor: list[list]) -> dict:
+    """The `nvidia-smi topo -m` matrix rebuilt from NVML: NV# where NVLink joins a pair, else the PCIe path."""
+    def links(d: dict) -> list[tuple]:
+        return list(zip(d.get("nvlink_remote_bus_ids") or [], d.get("nvlink_remote_types") or []))
+
+    bus_ids = [str((d.get("nvmlDeviceGetPciInfo") or {}).get("busId", "")).lower() for d in devices]
+    switch_links = [sum(1 for _, kind in links(d) if kind == NVLINK_REMOTE_SWITCH) for d in devices]
+    matrix = []
+    for i, device in enumerate(devices):
+        row = []
+        for j in range(len(devices)):
+            direct = sum(1 for bus, _ in links(device) if str(bus).lower() == bus_ids[j])
+            nv = direct or min(switch_links[i], switch_links[j])
+            level = common_ancestor[i][j] if i < len(common_ancestor) and j < len(common_ancestor[i]) else None
+            pcie = NVML_TOPOLOGY_LABELS.get(level, "?") if isinstance(level, int) else "?"
+            row.append("X" if i == j else f"NV{nv}" if nv else pcie)
+        matrix.append(row)
+    return {"source": "NVML (NVLink remote ends, topology common ancestor)",
+            "devices": [f"GPU{i}" for i in range(len(devices))], "links": matrix}
 
 
 def decide_form_factor(gpu: GpuInfo) -> tuple[str | None, str]:
@@ -154,7 +180,8 @@ def cpu_facts(evidence: dict) -> CpuInfo:
     cpu.isa_flags = sorted(f for f in flags if f.startswith(("avx512", "amx")))
     cpu.avx512 = "avx512f" in flags
     cpu.amx = any(f.startswith("amx") for f in flags)
-    cpu.evidence["isa_flags"] = f"{source} flags"
+    for fact in ("isa_flags", "avx512", "amx"):
+        cpu.evidence[fact] = f"{source} flags"
     mem_kib = re.search(r"MemTotal:\s+(\d+) kB", evidence.get("meminfo") or "")
     if mem_kib:
         cpu.ram_gb, cpu.evidence["ram_gb"] = round(int(mem_kib.group(1)) / 2**20, 1), "/proc/meminfo MemTotal"

@@ -16,6 +16,7 @@ class GpuInfo:
     pcie_width: int | None = None
     nvlink_active_links: int | None = None
     power_limit_w: float | None = None  # enforced now
+    power_default_w: float | None = None
     power_max_w: float | None = None  # the board's ceiling: what tells SXM from PCIe
     board_part_number: str | None = None
     mig_mode: str | None = None  # enabled | disabled | None (not supported / unknown)

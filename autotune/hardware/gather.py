@@ -18,8 +18,6 @@ NVML_DEVICE_CALLS = (
     "nvmlDeviceGetBoardPartNumber", "nvmlDeviceGetArchitecture", "nvmlDeviceGetNumGpuCores",
     "nvmlDeviceGetMigMode", "nvmlDeviceGetModuleId", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMultiGpuBoard",
 )
-# nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
-NVML_TOPOLOGY_LABELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 VERSIONED_PACKAGES = ("torch", "sglang", "vllm")  # read from package metadata: importing sglang/vllm is slow and noisy
 
 
@@ -54,27 +52,11 @@ def _nvml_device(pynvml, handle) -> dict:
     active = [link for link, state in zip(links, device["nvlink_states"]) if state == 1]
     device["nvlink_versions"] = [_call(pynvml.nvmlDeviceGetNvLinkVersion, handle, link) for link in active]
     remote = [_call(pynvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link) for link in active]
-    device["nvlink_remote_bus_ids"] = [r.get("busId") for r in remote if isinstance(r, dict) and "busId" in r]
+    device["nvlink_remote_bus_ids"] = [r.get("busId") if isinstance(r, dict) else None for r in remote]
+    # 0 GPU, 1 IBM NPU, 2 NVSwitch: behind a switch every GPU reaches every other.
+    device["nvlink_remote_types"] = [_call(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link)
+                                     for link in active]
     return device
-
-
-def _nvml_topology(pynvml, handles, devices) -> dict:
-    bus_ids = [(d["nvmlDeviceGetPciInfo"] or {}).get("busId", "").lower() for d in devices]
-    links = []
-    for i, (hi, di) in enumerate(zip(handles, devices)):
-        row = []
-        for j, hj in enumerate(handles):
-            nv = sum(1 for remote in di["nvlink_remote_bus_ids"] if remote.lower() == bus_ids[j])
-            if i == j:
-                row.append("X")
-            elif nv:
-                row.append(f"NV{nv}")
-            else:
-                level = _call(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
-                row.append(NVML_TOPOLOGY_LABELS.get(level, "?") if isinstance(level, int) else "?")
-        links.append(row)
-    return {"source": "NVML (NVLink remote PCI ids, topology common ancestor)",
-            "devices": [f"GPU{i}" for i in range(len(handles))], "links": links}
 
 
 def gather_nvml() -> dict:
@@ -92,8 +74,10 @@ def gather_nvml() -> dict:
     try:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         evidence["devices"] = [_nvml_device(pynvml, h) for h in handles]
-        if len(handles) > 1:
-            evidence["topology_nvml"] = _nvml_topology(pynvml, handles, evidence["devices"])
+        if len(handles) > 1:  # the PCIe path between each pair; NVLink pairs come from the links above
+            evidence["nvml_common_ancestor"] = [
+                [None if i == j else _call(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
+                 for j, hj in enumerate(handles)] for i, hi in enumerate(handles)]
     except Exception as e:
         evidence["nvml_error"] = _error(e)["error"]
     try:

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from autotune.hardware.classify import cpu_facts, gpu_facts, match_profile
+from autotune.hardware.classify import cpu_facts, gpu_facts, match_profile, nvml_topology
 from autotune.hardware.facts import GpuInfo, Hardware
 from autotune.hardware.gather import gather
 from autotune.hardware.parse import parse_smi_q, parse_topo
@@ -27,16 +27,17 @@ def probe(gpu: str = "auto", profiles_dir: str | Path | None = None) -> Hardware
 
 def planned(profile: Profile) -> Hardware:
     """A machine we do not have, described by its profile alone (for estimates)."""
-    why = f"profile {profile.name} ({profile.source_url})"
+    why = f"profile {profile.name}"
     gpu = GpuInfo(index=0, name=profile.description, memory_gb=profile.memory_gb,
                   compute_capability=profile.compute_capability, architecture=profile.architecture,
                   sm_count=profile.sm_count, pcie_gen=(profile.interconnect.get("pcie") or {}).get("generation"),
-                  power_limit_w=profile.power_limit_w, power_max_w=profile.power_limit_w,
-                  form_factor=profile.form_factor)
-    gpu.evidence = {fact: why for fact, value in vars(gpu).items() if value is not None and fact != "index"}
+                  power_limit_w=profile.power_limit_w, power_default_w=profile.power_limit_w,
+                  power_max_w=profile.power_limit_w, form_factor=profile.form_factor)
+    gpu.evidence = {fact: why for fact, value in vars(gpu).items()
+                    if value is not None and fact not in ("index", "evidence")}
     return Hardware(gpus=[gpu], topology=None, driver_version=None, cuda_driver_version=None, nvml_version=None,
                     versions={}, cpu=None, profile=profile, source=f"planned from profile {profile.name}",
-                    notes=[f"planned machine: nothing measured; GPU facts from {why}"])
+                    notes=[f"planned machine: nothing measured; GPU facts from {why} ({profile.source_url})"])
 
 
 def _text(value) -> str | None:
@@ -79,7 +80,9 @@ def probe_from_evidence(evidence: dict, smi_q: str | None = None, topo: str | No
     if cpu.thp_mode == "always":
         warnings.append("transparent huge pages = always: a known cause of stalls with pinned memory "
                         "(set /sys/kernel/mm/transparent_hugepage/enabled to madvise)")
-    topology = (parse_topo(topo) if topo else None) or evidence.get("topology_nvml")
+    topology = parse_topo(topo) if topo else None
+    if topology is None and len(nvml_devices) > 1:
+        topology = nvml_topology(nvml_devices, evidence.get("nvml_common_ancestor") or [])
     cuda = evidence.get("cuda_driver_version")
     return Hardware(
         gpus=gpus,
@@ -118,9 +121,9 @@ def _gpu_warnings(gpu: GpuInfo) -> list[str]:
     warnings = []
     if gpu.mig_mode == "enabled":
         warnings.append(f"GPU{gpu.index} has MIG enabled: its memory and SMs are split between instances")
-    if gpu.power_limit_w and gpu.power_max_w and gpu.power_limit_w < 0.95 * gpu.power_max_w:
-        warnings.append(f"GPU{gpu.index} power limit {gpu.power_limit_w:g} W is below the board's "
-                        f"{gpu.power_max_w:g} W: throughput will be lower than the profile's peaks")
+    if gpu.power_limit_w and gpu.power_default_w and gpu.power_limit_w < 0.95 * gpu.power_default_w:
+        warnings.append(f"GPU{gpu.index} power limit {gpu.power_limit_w:g} W is below the board's default "
+                        f"{gpu.power_default_w:g} W: throughput will be lower than the profile's peaks")
     return warnings
 
 
