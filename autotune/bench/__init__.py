@@ -1,0 +1,7 @@
+"""The benchmark harness: workloads, the async OpenAI-API load client, metrics, SLOs."""
+from .runner import BenchResult, run_benchmark, run_sweep, save_results, summary_table
+from .slo import SLO, parse_slo
+from .workloads import Workload, load_workload, shipped_workloads
+
+__all__ = ["BenchResult", "SLO", "Workload", "load_workload", "parse_slo", "run_benchmark", "run_sweep",
+           "save_results", "shipped_workloads", "summary_table"]

@@ -1,0 +1,183 @@
+"""One benchmark run end to end: warm-up, measured load, server counters and memory, per-request table, summary."""
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pandas as pd
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import server_metrics
+from .client import request_body, run_load
+from .metrics import requests_frame, summarize
+from .resources import ResourceSampler
+from .slo import SLO, parse_slo
+from .workloads import Workload, load_workload, with_api
+
+
+@dataclass
+class BenchResult:
+    requests: pd.DataFrame  # one row per measured request (warm-up excluded)
+    summary: dict
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Writes path (JSON: summary and rows) and the same name with .parquet (the rows)."""
+        return save_results([self], path)
+
+
+def save_results(results: list[BenchResult], path: str | Path) -> tuple[Path, Path]:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.concat([r.requests.assign(run=i) for i, r in enumerate(results)], ignore_index=True)
+    rows = json.loads(frame.to_json(orient="records"))  # NaN -> null
+    doc = {"summary": results[0].summary, "requests": rows} if len(results) == 1 else \
+        {"sweep": [r.summary for r in results], "requests": rows}
+    path.write_text(json.dumps(doc, indent=1, default=str, allow_nan=False) + "\n")
+    parquet = path.with_suffix(".parquet")
+    frame.to_parquet(parquet, index=False)
+    return path, parquet
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def served_model(url: str, timeout: float = 5.0) -> str:
+    """The first model the server lists at /v1/models; "default" where it lists none or cannot answer."""
+    try:
+        data = httpx.get(url + "/v1/models", timeout=timeout).json().get("data") or []
+        return data[0]["id"] if data else "default"
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return "default"
+
+
+def run_benchmark(url: str, workload: Workload | str, *, concurrency: int | None = None, rate: float | None = None,
+                  num_requests: int | None = None, duration: float | None = None, warmup: int = 0, seed: int = 0,
+                  max_tokens: int | None = None, slo: SLO | str | None = None, server_pid: int | None = None,
+                  progress: bool = True, request_timeout: float = 120.0, extra_body: dict | None = None,
+                  model: str | None = None, api: str | None = None, ignore_eos: bool = True) -> BenchResult:
+    """Benchmark an OpenAI-compatible server; bounded by num_requests and/or duration (default: one pass).
+
+    Closed loop at `concurrency` (default 1) unless `rate` (req/s, Poisson) is given. Raises ValueError on
+    bad arguments; server failures are counted in the result, never raised.
+    """
+    if isinstance(workload, str):
+        workload = load_workload(workload, seed)
+    if api is not None:
+        workload = with_api(workload, api)
+    slo = parse_slo(slo) if isinstance(slo, str) else slo
+    check_arguments(concurrency, rate, num_requests, duration, warmup, max_tokens, request_timeout)
+    if num_requests is None and duration is None:
+        num_requests = len(workload.requests)
+    url = base_url(url)
+    model = model or served_model(url)
+    bodies = [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
+    load = dict(concurrency=concurrency, rate=rate, seed=seed, request_timeout=request_timeout)
+
+    if warmup:  # from the end of the (shuffled) list, so the measured requests start cold on their own prompts
+        tail = slice(len(bodies) - min(warmup, len(bodies)), None)
+        asyncio.run(run_load(url, workload.requests[tail], bodies[tail], num_requests=warmup, duration=None,
+                             **{**load, "rate": None, "concurrency": concurrency or 1}))
+    before = server_metrics.scrape(url)
+    with progress_bar(progress, num_requests, duration) as tick, ResourceSampler(server_pid) as sampler:
+        records, wall_s, stopped = asyncio.run(run_load(url, workload.requests, bodies, num_requests=num_requests,
+                                                        duration=duration, on_done=tick, **load))
+    after = server_metrics.scrape(url)
+
+    frame = requests_frame(records)
+    summary = {"url": url, "model": model, "workload": workload.name, "concurrency": concurrency, "rate": rate,
+               "seed": seed, "warmup": warmup, "sent": len(records), "stopped_early": stopped,
+               **summarize(frame, wall_s, slo), **server_metrics.acceptance(before, after),
+               "peak_gpu_mem_gb": sampler.peak_gpu_mem_gb, "peak_rss_gb": sampler.peak_rss_gb}
+    if summary["accept_length"] is None and summary["server_accept_length"] is not None:
+        summary.update(accept_length=summary["server_accept_length"], accept_rate=summary["server_accept_rate"],
+                       accept_source="metrics")
+    summary["slo"] = str(slo) if slo else None
+    summary["slo_violations"] = slo.check(summary) if slo else []
+    summary["slo_ok"] = not summary["slo_violations"]
+    return BenchResult(frame, summary)
+
+
+def run_sweep(url: str, workload: Workload | str, levels: list[int], **kwargs) -> list[BenchResult]:
+    """run_benchmark once per concurrency level, same workload and seed."""
+    return [run_benchmark(url, workload, **{**kwargs, "concurrency": level}) for level in levels]
+
+
+def check_arguments(concurrency, rate, num_requests, duration, warmup, max_tokens, request_timeout):
+    problems = [f"{name} must be {rule}, not {value}" for name, value, ok, rule in [
+        ("concurrency", concurrency, concurrency is None or concurrency >= 1, ">= 1"),
+        ("rate", rate, rate is None or (rate > 0 and not math.isnan(rate)), "> 0 requests/s"),
+        ("num_requests", num_requests, num_requests is None or num_requests >= 1, ">= 1"),
+        ("duration", duration, duration is None or duration > 0, "> 0 seconds"),
+        ("warmup", warmup, warmup >= 0, ">= 0"),
+        ("max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, ">= 1"),
+        ("request_timeout", request_timeout, request_timeout > 0, "> 0 seconds")] if not ok]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+class progress_bar:
+    """A rich bar over requests (or seconds, for a duration-bound run); a no-op callable when disabled."""
+
+    def __init__(self, enabled: bool, num_requests: int | None, duration: float | None):
+        self.enabled, self.by_time = enabled, num_requests is None
+        self.total = duration if self.by_time else num_requests
+        self.done, self.t0 = 0, time.perf_counter()
+
+    def __enter__(self):
+        if self.enabled:
+            self.bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn(), transient=True)
+            self.task = self.bar.add_task("bench", total=self.total, errors=0)
+            self.bar.start()
+        self.errors = 0
+        return self.tick
+
+    def tick(self, rec):
+        self.done += 1
+        self.errors += rec.error_kind is not None
+        if self.enabled:
+            done = min(self.total, round(time.perf_counter() - self.t0)) if self.by_time else self.done
+            self.bar.update(self.task, completed=done, errors=self.errors)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+
+
+def summary_table(results: list[BenchResult]) -> Table:
+    """The short table printed at the end: one column per run."""
+    table = Table(title="autotune bench", show_header=len(results) > 1)
+    table.add_column("metric")
+    for r in results:
+        s = r.summary
+        table.add_column(f"c={s['concurrency']}" if s["rate"] is None else f"rate={s['rate']:g}", justify="right")
+    rows = [("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
+            ("errors", lambda s: ", ".join(f"{k}={v}" for k, v in s["errors_by_kind"].items()) or "-"),
+            ("output tok/s", lambda s: fmt(s["output_tok_s"])),
+            ("decode tok/s p50 (mean)", lambda s: f"{fmt(s['decode_tok_s_p50'])} ({fmt(s['decode_tok_s_mean'])})"),
+            ("request/s", lambda s: fmt(s["request_throughput"], 3)),
+            ("TTFT ms p50 / p99", lambda s: f"{fmt(s['ttft_ms_p50'])} / {fmt(s['ttft_ms_p99'])}"),
+            ("ITL ms p50 / p99", lambda s: f"{fmt(s['itl_ms_p50'])} / {fmt(s['itl_ms_p99'])}"),
+            ("TPOT ms p50 / p99", lambda s: f"{fmt(s['tpot_ms_p50'])} / {fmt(s['tpot_ms_p99'])}"),
+            ("E2E ms p50 / p99", lambda s: f"{fmt(s['e2e_ms_p50'])} / {fmt(s['e2e_ms_p99'])}"),
+            ("accept length (rate)", lambda s: f"{fmt(s['accept_length'], 2)} ({fmt(s['accept_rate'], 2)})"),
+            ("prompt / output tokens mean", lambda s: f"{fmt(s['prompt_tokens_mean'])} / {fmt(s['output_tokens_mean'])}"),
+            ("peak GPU mem / RSS GiB", lambda s: f"{fmt(s['peak_gpu_mem_gb'], 2)} / {fmt(s['peak_rss_gb'], 2)}"),
+            ("goodput req/s", lambda s: fmt(s["goodput"], 3)),
+            ("SLO", lambda s: "-" if not s["slo"] else ("met" if s["slo_ok"] else "; ".join(s["slo_violations"])))]
+    for name, cell in rows:
+        table.add_row(name, *(cell(r.summary) for r in results))
+    stopped = [r.summary["stopped_early"] for r in results if r.summary["stopped_early"]]
+    if stopped:
+        table.caption = f"stopped early: {stopped[0]}"
+    return table
+
+
+def fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
