@@ -11,28 +11,12 @@ _SERVE_DEFAULTS = _engine_config.EngineConfig()
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def _serve_config_error(config, host: str, port: int, log_level: str) -> str | None:
-    """The first flag value the engine cannot start with, as a message; None when all are fine."""
-    choices = {"drafter": _engine_config.DRAFTERS, "draft_policy": _engine_config.DRAFT_POLICIES,
-               "dtype": _engine_config.DTYPES, "quantization": _engine_config.QUANTIZATIONS,
-               "compile": _engine_config.COMPILE_BACKENDS}
-    for name, allowed in choices.items():
-        if getattr(config, name) not in allowed:
-            return f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}"
-    minimums = {"draft_length": 0, "early_exit_layers": 1, "ngram_min": 1, "ngram_max": 1, "verify_slots": 1,
-                "prefill_ubatch": 1, "max_seq_len": 2, "threads": 1}
-    for name, low in minimums.items():
-        if getattr(config, name) is not None and getattr(config, name) < low:
-            return f"--{name.replace('_', '-')} must be >= {low}, got {getattr(config, name)}"
-    if config.ngram_max < config.ngram_min:
-        return f"--ngram-max ({config.ngram_max}) must be >= --ngram-min ({config.ngram_min})"
-    if config.drafter == "draft_model" and not config.draft_model:
-        return "--drafter draft_model needs --draft-model PATH"
-    if config.draft_policy == "estimator" and not config.draft_estimator:
-        return "--draft-policy estimator needs --draft-estimator PATH"
-    if not (config.device in ("auto", "cpu", "cuda") or
-            (config.device.startswith("cuda:") and config.device[5:].isdigit())):
-        return f"--device must be auto, cpu, cuda or cuda:N, got {config.device!r}"
+def _serve_flag_error(device: str, port: int, log_level: str, threads: int | None) -> str | None:
+    """The first serve-only flag the engine cannot start with (the engine validates its own config)."""
+    if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
+        return f"--device must be auto, cpu, cuda or cuda:N, got {device!r}"
+    if threads is not None and threads < 1:
+        return f"--threads must be >= 1, got {threads}"
     if not 0 < port < 65536:
         return f"--port must be in 1..65535, got {port}"
     if log_level not in _LOG_LEVELS:
@@ -70,9 +54,11 @@ def serve(
         graph_sizes = [int(s) for s in cuda_graph_batch_sizes.split(",") if s.strip()]
     except ValueError:
         graph_sizes = [0]
+    problem = _serve_flag_error(device, port, log_level, threads)
     if any(s < 1 for s in graph_sizes):
-        typer.echo(f"error: --cuda-graph-batch-sizes must be positive integers like 1,2,4, "
-                   f"got {cuda_graph_batch_sizes!r}", err=True)
+        problem = f"--cuda-graph-batch-sizes must be positive integers like 1,2,4, got {cuda_graph_batch_sizes!r}"
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(2)
     config = _engine_config.EngineConfig(
         model=model, draft_model=draft_model, drafter=drafter, draft_length=draft_length, draft_policy=draft_policy,
@@ -80,20 +66,21 @@ def serve(
         ngram_max=ngram_max, verify_slots=verify_slots, prefill_ubatch=prefill_ubatch, dtype=dtype,
         quantization=quantization, compile=compile, cuda_graph_batch_sizes=graph_sizes, threads=threads,
         device=device, max_seq_len=max_seq_len, seed=seed)
-    problem = _serve_config_error(config, host, port, log_level)
-    if problem:
-        typer.echo(f"error: {problem}", err=True)
-        raise typer.Exit(2)
 
     import logging
 
     logging.basicConfig(level=logging.DEBUG if log_level == "trace" else log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
     from autotune.embedded.scheduler import Engine
     from autotune.embedded.server import serve as serve_engine
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        typer.echo(f"error: --device {device}: no CUDA device is available here", err=True)
+        raise typer.Exit(2)
     try:
-        engine = Engine(config)
+        engine = Engine(config)  # validates the config (one-line ValueError), then loads the model
     except (ValueError, OSError, RuntimeError) as e:  # bad model path, vocabulary mismatch, no CUDA...
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
@@ -130,6 +117,122 @@ def probe(
         console.print(f"[yellow]warning:[/] {warning}")
     for note in hardware.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+# -- autotune run: the tuner --------------------------------------------------------------------------
+@app.command()
+def run(
+    gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
+    engine: str = typer.Option("embedded", help="embedded | sglang | vllm"),
+    model: str = typer.Option(None, help="model path (default: the engine's default; the bundled SmolLM2-135M for embedded)"),
+    draft_model: str = typer.Option(None, help="draft checkpoint: adds drafter=draft_model to the space"),
+    workload: str = typer.Option("code", help="shipped workload name or a JSONL/ShareGPT file"),
+    slo: str = typer.Option(None, help='constraints, e.g. "p95_ttft_ms<500; p95_itl_ms<=40"'),
+    objective: str = typer.Option("throughput", help="throughput | latency | pareto"),
+    trials: int = typer.Option(None, help="measured trials (default 25)"),
+    budget: str = typer.Option(None, help="wall-clock budget, e.g. 30m, 1h, 90s (default: 15m for embedded)"),
+    study: str = typer.Option(None, help="study name (default: <engine>-<workload>-<time>)"),
+    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in studies/<study>/study.db)"),
+    resume: bool = typer.Option(False, help="continue --study; trials a killed run left running are marked failed"),
+    set_: list[str] = typer.Option(None, "--set", help="pin or narrow: name=value | name=a,b | name=low..high"),
+    space: str = typer.Option(None, help="a search-space YAML, or a narrowing file {name: value|[values]|{low,high}}"),
+    concurrency: int = typer.Option(None, help="concurrent requests during each benchmark (default: the workload's)"),
+    num_requests: int = typer.Option(None, help="requests per trial benchmark"),
+    max_tokens: int = typer.Option(None, help="cap on output tokens per request"),
+    seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
+):
+    """Tune an engine's launch configuration on this machine with an Optuna study."""
+    from rich.console import Console
+
+    from autotune.study import driver
+
+    try:
+        opts = driver.options_from_cli(
+            engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
+            trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
+            concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed)
+        the_plan = driver.plan(opts)
+        outcome = driver.run_study(the_plan, console=Console())
+    except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
+        typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
+        raise typer.Exit(2)
+    if outcome.interrupted and outcome.best is None:
+        raise typer.Exit(130)
+    if outcome.best is None:
+        raise typer.Exit(1)
+
+
+# -- autotune bench: load an OpenAI-compatible server, measure it ---------------------------------------
+@app.command()
+def bench(
+    url: str = typer.Option(..., help="server base URL, e.g. http://127.0.0.1:30000"),
+    workload: str = typer.Option("chat", help="shipped set (chat, code, long-prefill, repetitive, mixed) "
+                                              "or a .jsonl of OpenAI bodies / ShareGPT .json"),
+    concurrency: int = typer.Option(None, help="closed loop: requests in flight (default 1); with --rate: a cap"),
+    rate: float = typer.Option(None, help="open loop: Poisson arrivals, requests per second (inf: all at once)"),
+    sweep: str = typer.Option(None, help="comma-separated concurrency levels, one run each, e.g. 1,2,4,8"),
+    duration: float = typer.Option(None, help="stop sending after this many seconds"),
+    num_requests: int = typer.Option(None, help="stop after this many requests (default: one pass over the workload)"),
+    warmup: int = typer.Option(0, help="requests sent first and not measured"),
+    seed: int = typer.Option(0, help="workload order and arrival times"),
+    max_tokens: int = typer.Option(None, help="override every request's max_tokens"),
+    slo: str = typer.Option(None, help='e.g. "p95_ttft_ms<500; p95_itl_ms<=40; error_rate<0.01"'),
+    out: str = typer.Option(None, help="results JSON (summary + rows); the rows also go to the .parquet beside it"),
+    api: str = typer.Option(None, help="send every request as chat | completions (default: as the workload says)"),
+    model: str = typer.Option(None, help="model name to send (default: the first one /v1/models lists)"),
+    server_pid: int = typer.Option(None, help="server process id, for its peak RSS"),
+    request_timeout: float = typer.Option(120.0, help="seconds one request may take in all"),
+    ignore_eos: bool = typer.Option(True, help="ask the server to run to max_tokens (vLLM/SGLang extension)"),
+    extra_body: str = typer.Option(None, help='JSON object merged into every request, e.g. \'{"draft_length": 2}\''),
+):
+    """Benchmark an OpenAI-compatible server: TTFT, ITL, TPOT, E2E, throughput, goodput, acceptance."""
+    import json
+
+    from rich.console import Console
+
+    from autotune.bench import load_workload, parse_slo, run_sweep, save_results, summary_table
+
+    try:
+        levels = [int(x) for x in sweep.split(",") if x.strip()] if sweep else [concurrency]
+        if sweep and (not levels or min(levels) < 1):
+            raise ValueError
+    except ValueError:
+        typer.echo(f"error: --sweep must be positive integers like 1,2,4,8, got {sweep!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        extra = json.loads(extra_body) if extra_body else None
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        typer.echo(f"error: --extra-body must be a JSON object: {e}", err=True)
+        raise typer.Exit(2)
+    if api not in (None, "chat", "completions"):
+        typer.echo(f"error: --api must be chat or completions, got {api!r}", err=True)
+        raise typer.Exit(2)
+    console = Console()
+    try:
+        loaded = load_workload(workload, seed)
+        parsed_slo = parse_slo(slo) if slo else None
+        if out and not out.endswith(".json"):
+            raise ValueError(f"--out must name a .json file (the .parquet is written beside it), got {out!r}")
+        d = loaded.describe()
+        console.print(f"workload {d['name']}: {d['requests']} requests {d['apis']}, prompt chars mean "
+                      f"{d['prompt_chars_mean']} ({d['prompt_chars_min']}..{d['prompt_chars_max']}), max_tokens "
+                      f"mean {d['max_tokens_mean']}, temperatures {d['temperatures']}")
+        results = run_sweep(url, loaded, levels, rate=rate, num_requests=num_requests, duration=duration,
+                            warmup=warmup, seed=seed, max_tokens=max_tokens, slo=parsed_slo, server_pid=server_pid,
+                            request_timeout=request_timeout, extra_body=extra, model=model, api=api,
+                            ignore_eos=ignore_eos)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    console.print(summary_table(results))
+    if out:
+        paths = save_results(results, out)
+        console.print(f"wrote {paths[0]} and {paths[1]}")
+    if not any(r.summary["completed"] for r in results):
+        typer.echo(f"error: no request completed: {results[-1].summary['errors_by_kind']}", err=True)
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":
