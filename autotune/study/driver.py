@@ -29,6 +29,7 @@ from autotune.study import objectives, storage
 from autotune.study.live import LiveView
 
 DEFAULT_TRIALS = 25
+DEFAULT_EMBEDDED_BUDGET_S = 14 * 60
 MAX_IDLE_ASKS = 60  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
 
 
@@ -72,6 +73,27 @@ class Plan:
     slo: object | None
     shape: constraints.ModelShape | None
     draft_shape: constraints.ModelShape | None
+
+
+def parse_duration(text: str) -> float:
+    """"90s", "30m", "1h30m", "2h" or plain seconds -> seconds."""
+    import re
+
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not text.strip() or not parts or not any(parts.groups()):
+        raise ValueError(f"--budget {text!r}: expected a duration such as 90s, 30m, 1h30m")
+    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
+    return h * 3600 + m * 60 + sec
+
+
+def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOptions:
+    """RunOptions from the command line's values, with the defaults that depend on other flags."""
+    if resume and not study:
+        raise ValueError("--resume needs --study NAME (the study to continue)")
+    # The embedded engine's default run must end in about 15 minutes on a small CPU machine.
+    budget_s = parse_duration(budget) if budget else (DEFAULT_EMBEDDED_BUDGET_S if engine == "embedded" else None)
+    return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,
+                      resume=resume, study=study, **rest)
 
 
 def plan(opts: RunOptions) -> Plan:
