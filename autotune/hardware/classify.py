@@ -1,4 +1,5 @@
-"""Raw evidence → facts: each GPU fact from the first source that has it, the form factor, the matching profile."""
+"""Raw evidence → facts: each GPU fact from the first source that has it, the form factor, the profile."""
+
 import re
 
 from autotune.hardware.facts import CpuInfo, GpuInfo
@@ -13,7 +14,8 @@ ARCHITECTURES = {"7.0": "Volta", "7.5": "Turing", "8.0": "Ampere", "8.6": "Amper
 # nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
 NVML_TOPOLOGY_LABELS = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 NVLINK_REMOTE_SWITCH = 2
-PCIE_MAX_POWER_W = 600  # the highest PCIe/NVL card limit (H200 NVL); SXM modules go beyond (H100/H200 SXM: 700 W)
+# The highest PCIe/NVL card limit (H200 NVL); SXM modules go beyond (H100/H200 SXM: 700 W).
+PCIE_MAX_POWER_W = 600
 
 
 def _ok(value) -> bool:
@@ -34,43 +36,46 @@ def _nvml(device: dict, call: str, transform=lambda v: v):
     return (transform(value), f"NVML {call}") if _ok(value) else (None, "")
 
 
+def _watts(milliwatts: int) -> float:
+    return milliwatts / 1000
+
+
 def gpu_facts(index: int, nvml: dict, smi: dict, torch: dict) -> GpuInfo:
-    """One GPU's facts from its NVML record, its `nvidia-smi -q` block and its torch properties (any may be {})."""
+    """One GPU's facts from its NVML record, `nvidia-smi -q` block and torch properties (any may be {})."""
     gpu = GpuInfo(index=index)
-    _pick(gpu, "name", _nvml(nvml, "nvmlDeviceGetName"), (smi_value(smi, "Product Name"), "nvidia-smi -q Product Name"),
-          (torch.get("name"), "torch.cuda.get_device_properties"))
+    props = "torch.cuda.get_device_properties"
+    power = "GPU Power Readings/", "Power Readings/"  # the section's name before driver 535
     mib = smi_number(smi, "FB Memory Usage/Total")
+    torch_gib = round(int(torch["total_memory"]) / GIB, 1) if "total_memory" in torch else None
+    torch_cc = f"{torch['major']}.{torch['minor']}" if "major" in torch else None
+    _pick(gpu, "name", _nvml(nvml, "nvmlDeviceGetName"),
+          (smi_value(smi, "Product Name"), "nvidia-smi -q Product Name"), (torch.get("name"), props))
     _pick(gpu, "memory_gb", _nvml(nvml, "nvmlDeviceGetMemoryInfo", lambda m: round(m["total"] / GIB, 1)),
           (round(mib / 1024, 1) if mib else None, "nvidia-smi -q FB Memory Usage/Total"),
-          (round(int(torch["total_memory"]) / GIB, 1) if "total_memory" in torch else None,
-           "torch.cuda.get_device_properties total_memory"))
-    torch_cc = f"{torch['major']}.{torch['minor']}" if "major" in torch else None
-    _pick(gpu, "compute_capability", _nvml(nvml, "nvmlDeviceGetCudaComputeCapability", lambda v: f"{v[0]}.{v[1]}"),
-          (torch_cc, "torch.cuda.get_device_properties major.minor"))
+          (torch_gib, f"{props} total_memory"))
+    _pick(gpu, "compute_capability",
+          _nvml(nvml, "nvmlDeviceGetCudaComputeCapability", lambda v: f"{v[0]}.{v[1]}"),
+          (torch_cc, f"{props} major.minor"))
     _pick(gpu, "architecture", (smi_value(smi, "Product Architecture"), "nvidia-smi -q Product Architecture"),
           (ARCHITECTURES.get(gpu.compute_capability or ""), f"compute capability {gpu.compute_capability}"))
     cores, _ = _nvml(nvml, "nvmlDeviceGetNumGpuCores")
     per_sm = CORES_PER_SM.get(gpu.compute_capability or "", 128)
-    _pick(gpu, "sm_count", (int(torch["multi_processor_count"]) if "multi_processor_count" in torch else None,
-                            "torch.cuda.get_device_properties multi_processor_count"),
+    _pick(gpu, "sm_count", (torch.get("multi_processor_count"), f"{props} multi_processor_count"),
           (cores // per_sm if cores and gpu.compute_capability else None,
            f"NVML nvmlDeviceGetNumGpuCores {cores} / {per_sm} cores per SM"))
     _pick(gpu, "pcie_gen", _nvml(nvml, "nvmlDeviceGetMaxPcieLinkGeneration"),
           (smi_number(smi, "PCI/GPU Link Info/PCIe Generation/Max"), "nvidia-smi -q PCIe Generation/Max"))
     _pick(gpu, "pcie_width", _nvml(nvml, "nvmlDeviceGetMaxPcieLinkWidth"),
           (smi_number(smi, "PCI/GPU Link Info/Link Width/Max"), "nvidia-smi -q Link Width/Max"))
-    for fact in ("pcie_gen", "pcie_width"):
-        if getattr(gpu, fact) is not None:
-            setattr(gpu, fact, int(getattr(gpu, fact)))
     _pick(gpu, "nvlink_active_links", *_nvlink(nvml))
-    power = "GPU Power Readings/", "Power Readings/"  # the section's name before driver 535
-    _pick(gpu, "power_limit_w", _nvml(nvml, "nvmlDeviceGetEnforcedPowerLimit", lambda mw: mw / 1000),
-          _nvml(nvml, "nvmlDeviceGetPowerManagementLimit", lambda mw: mw / 1000),
+    _pick(gpu, "power_limit_w", _nvml(nvml, "nvmlDeviceGetEnforcedPowerLimit", _watts),
+          _nvml(nvml, "nvmlDeviceGetPowerManagementLimit", _watts),
           (smi_number(smi, *(p + k for p in power for k in ("Current Power Limit", "Power Limit"))),
            "nvidia-smi -q Current Power Limit"))
-    _pick(gpu, "power_default_w", _nvml(nvml, "nvmlDeviceGetPowerManagementDefaultLimit", lambda mw: mw / 1000),
+    _pick(gpu, "power_default_w", _nvml(nvml, "nvmlDeviceGetPowerManagementDefaultLimit", _watts),
           (smi_number(smi, *(p + "Default Power Limit" for p in power)), "nvidia-smi -q Default Power Limit"))
-    _pick(gpu, "power_max_w", _nvml(nvml, "nvmlDeviceGetPowerManagementLimitConstraints", lambda v: v[1] / 1000),
+    limits = _nvml(nvml, "nvmlDeviceGetPowerManagementLimitConstraints", lambda v: _watts(v[1]))
+    _pick(gpu, "power_max_w", limits,
           (smi_number(smi, *(p + "Max Power Limit" for p in power)), "nvidia-smi -q Max Power Limit"),
           (gpu.power_default_w, "no board maximum reported: the default limit"),
           (gpu.power_limit_w, "no board maximum reported: the enforced limit"))
@@ -81,6 +86,9 @@ def gpu_facts(index: int, nvml: dict, smi: dict, torch: dict) -> GpuInfo:
           (smi_mig.lower() if smi_mig else None, "nvidia-smi -q MIG Mode/Current"))
     _pick(gpu, "bus_id", _nvml(nvml, "nvmlDeviceGetPciInfo", lambda p: p.get("busId")),
           (smi.get("Bus Id"), "nvidia-smi -q GPU block"))
+    for fact in ("sm_count", "pcie_gen", "pcie_width"):  # nvidia-smi text and torch give these as str/float
+        if getattr(gpu, fact) is not None:
+            setattr(gpu, fact, int(getattr(gpu, fact)))
     gpu.form_factor, gpu.evidence["form_factor"] = decide_form_factor(gpu)
     return gpu
 
@@ -91,13 +99,18 @@ def _nvlink(nvml: dict) -> list[tuple]:
         return []
     answered = [s for s in states if isinstance(s, int)]
     if not answered:
-        return [(0, f"NVML nvmlDeviceGetNvLinkState: not supported on any of {len(states)} links "
-                    "(no NVLink, or hidden from this VM)")]
-    return [(answered.count(1), f"NVML nvmlDeviceGetNvLinkState: {answered.count(1)} of {len(states)} links active")]
+        return [(0, f"NVML nvmlDeviceGetNvLinkState: no link of {len(states)} supported (or hidden by a VM)")]
+    active = answered.count(1)
+    return [(active, f"NVML nvmlDeviceGetNvLinkState: {active} of {len(states)} links active")]
+
+
+def _nth(items: list | None, i: int):
+    return items[i] if items and i < len(items) else None
 
 
 def nvml_topology(devices: list[dict], common_ancestor: list[list]) -> dict:
-    """The `nvidia-smi topo -m` matrix rebuilt from NVML: NV# where NVLink joins a pair, else the PCIe path."""
+    """The `nvidia-smi topo -m` matrix from NVML: NV# where NVLink joins a pair, else the PCIe path."""
+
     def links(d: dict) -> list[tuple]:
         return list(zip(d.get("nvlink_remote_bus_ids") or [], d.get("nvlink_remote_types") or []))
 
@@ -109,7 +122,7 @@ def nvml_topology(devices: list[dict], common_ancestor: list[list]) -> dict:
         for j in range(len(devices)):
             direct = sum(1 for bus, _ in links(device) if str(bus).lower() == bus_ids[j])
             nv = direct or min(switch_links[i], switch_links[j])
-            level = common_ancestor[i][j] if i < len(common_ancestor) and j < len(common_ancestor[i]) else None
+            level = _nth(_nth(common_ancestor, i), j)
             pcie = NVML_TOPOLOGY_LABELS.get(level, "?") if isinstance(level, int) else "?"
             row.append("X" if i == j else f"NV{nv}" if nv else pcie)
         matrix.append(row)
@@ -119,28 +132,29 @@ def nvml_topology(devices: list[dict], common_ancestor: list[list]) -> dict:
 
 def decide_form_factor(gpu: GpuInfo) -> tuple[str | None, str]:
     name = (gpu.name or "").upper()
+    links = gpu.nvlink_active_links
+    bridge = f"; its {links} active NVLink links are a bridge" if links else ""
     if "SXM" in name:
         return "sxm", "the name says SXM"
     if re.search(r"\bNVL\b", name):
         return "nvl", "the name says NVL (a PCIe card joined by NVLink bridges)"
     if "PCIE" in name:
-        return "pcie", "the name says PCIe"
+        return "pcie", "the name says PCIe" + bridge
     if "GEFORCE" in name or "RTX" in name:
-        return "pcie", "GeForce/RTX boards are only made as PCIe cards"
+        return "pcie", "GeForce/RTX boards are only made as PCIe cards" + bridge
     if gpu.power_max_w is None:
         return None, "undecided: no SXM/NVL/PCIe marker in the name and no power limit"
     if gpu.power_max_w > PCIE_MAX_POWER_W:
-        return "sxm", f"board power limit {gpu.power_max_w:g} W exceeds every PCIe/NVL card (<= {PCIE_MAX_POWER_W} W)"
-    nvlink = f"; {gpu.nvlink_active_links} NVLink links active (a bridge)" if gpu.nvlink_active_links else ""
-    return "pcie", f"no SXM/NVL marker in the name and board power limit {gpu.power_max_w:g} W" + nvlink
+        return "sxm", f"board power limit {gpu.power_max_w:g} W: above any PCIe/NVL card ({PCIE_MAX_POWER_W} W)"
+    return "pcie", f"no SXM/NVL marker in the name and board power limit {gpu.power_max_w:g} W" + bridge
 
 
 def match_profile(gpu: GpuInfo, profiles: dict[str, Profile]) -> tuple[Profile | None, str]:
-    """The one profile whose name pattern, memory and power ranges and form factor all fit; else None and why."""
+    """The one profile whose name pattern, memory, power range and form factor fit; else None and why."""
     fits, misfits = [], []
     for profile in profiles.values():
         hints = profile.match
-        if not hints or not any(re.search(p, gpu.name or "", re.I) for p in hints["name_patterns"]):
+        if not hints or not any(re.search(p, gpu.name or "", re.IGNORECASE) for p in hints["name_patterns"]):
             continue
         why = []
         lo, hi = hints.get("memory_gib") or (0, float("inf"))
@@ -153,24 +167,29 @@ def match_profile(gpu: GpuInfo, profiles: dict[str, Profile]) -> tuple[Profile |
             why.append(f"form factor {gpu.form_factor}, profile {profile.form_factor}")
         (misfits if why else fits).append((profile, "; ".join(why)))
     if len(fits) == 1:
-        return fits[0][0], f"{gpu.name}: name, memory, power limit and form factor fit profile {fits[0][0].name}"
+        profile = fits[0][0]
+        return profile, f"{gpu.name}: name, memory, power limit and form factor fit profile {profile.name}"
     if fits:
-        return None, f"{gpu.name} fits several profiles ({', '.join(p.name for p, _ in fits)}); form factor undecided"
+        names = ", ".join(p.name for p, _ in fits)
+        return None, f"{gpu.name} fits several profiles ({names}); form factor unknown"
     tried = "; ".join(f"{p.name}: {why}" for p, why in misfits) or "no profile's name pattern matches"
-    return None, (f"no hardware profile matches {gpu.name} ({gpu.memory_gb} GiB, {gpu.power_max_w} W, "
-                  f"{gpu.form_factor}): {tried}; the tuner runs on the measured facts")
+    return None, (
+        f"no hardware profile matches {gpu.name} ({gpu.memory_gb} GiB, {gpu.power_max_w} W, "
+        f"{gpu.form_factor}): {tried}; the tuner runs on the measured facts"
+    )
 
 
 def cpu_facts(evidence: dict) -> CpuInfo:
     cpu = CpuInfo()
     lscpu = evidence.get("cpu") if isinstance(evidence.get("cpu"), str) else ""
-    facts, source = (parse_cpu_text(lscpu), "lscpu") if lscpu else (parse_cpu_text(evidence.get("cpuinfo") or ""),
-                                                                   "/proc/cpuinfo")
+    source = "lscpu" if lscpu else "/proc/cpuinfo"
+    facts = parse_cpu_text(lscpu or evidence.get("cpuinfo") or "")
     cpu.model = facts.get("model name")
     cpu.evidence["model"] = source
     logical = int(facts["cpu(s)"]) if "cpu(s)" in facts else evidence.get("cpuinfo_processors")
     cpu.cores, cpu.evidence["cores"] = logical, f"{source} logical CPUs"
-    for limit, why in ((evidence.get("usable_cpus"), "CPU affinity"), (evidence.get("cgroup_cpus"), "cgroup cpu.max")):
+    limits = (evidence.get("usable_cpus"), "CPU affinity"), (evidence.get("cgroup_cpus"), "cgroup cpu.max")
+    for limit, why in limits:
         if limit and (cpu.cores is None or limit < cpu.cores):
             cpu.cores, cpu.evidence["cores"] = int(max(1, limit)), f"{why} (of {logical} logical CPUs)"
     if "core(s) per socket" in facts:

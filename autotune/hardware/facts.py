@@ -1,4 +1,5 @@
 """What a tuner must know about the machine; every fact keeps the evidence it came from."""
+
 from dataclasses import asdict, dataclass, field
 
 from autotune.hardware.profiles import Profile
@@ -41,7 +42,9 @@ class CpuInfo:
 @dataclass
 class Hardware:
     gpus: list[GpuInfo]
-    topology: dict | None  # {"source", "devices", "links": matrix of X/NV#/PIX/PXB/PHB/NODE/SYS, ...}; None for < 2 GPUs
+    topology: (
+        dict | None
+    )  # {"source", "devices", "links": matrix of X/NV#/PIX/PXB/PHB/NODE/SYS, ...}; None for < 2 GPUs
     driver_version: str | None
     cuda_driver_version: str | None
     nvml_version: str | None

@@ -2,6 +2,7 @@
 
 Nothing here raises: a source that fails is recorded as {"error": "..."} or a note, and the next one is tried.
 """
+
 import importlib.metadata
 import os
 import shutil
@@ -10,15 +11,28 @@ from pathlib import Path
 
 # Per-device NVML getters that take only the handle; their results go into the evidence under their own names.
 NVML_DEVICE_CALLS = (
-    "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetCudaComputeCapability",
-    "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth",
-    "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
-    "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetPowerManagementLimitConstraints",
-    "nvmlDeviceGetPowerManagementDefaultLimit", "nvmlDeviceGetEnforcedPowerLimit",
-    "nvmlDeviceGetBoardPartNumber", "nvmlDeviceGetArchitecture", "nvmlDeviceGetNumGpuCores",
-    "nvmlDeviceGetMigMode", "nvmlDeviceGetModuleId", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMultiGpuBoard",
+    "nvmlDeviceGetName",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetPowerManagementLimit",
+    "nvmlDeviceGetPowerManagementLimitConstraints",
+    "nvmlDeviceGetPowerManagementDefaultLimit",
+    "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetBoardPartNumber",
+    "nvmlDeviceGetArchitecture",
+    "nvmlDeviceGetNumGpuCores",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetModuleId",
+    "nvmlDeviceGetPciInfo",
+    "nvmlDeviceGetMultiGpuBoard",
 )
-VERSIONED_PACKAGES = ("torch", "sglang", "vllm")  # read from package metadata: importing sglang/vllm is slow and noisy
+# Read from package metadata: importing sglang/vllm is slow and noisy.
+VERSIONED_PACKAGES = ("torch", "sglang", "vllm")
 
 
 def _error(e: BaseException) -> dict:
@@ -38,7 +52,7 @@ def _jsonable(value):
 def _call(fn, *args):
     try:
         return _jsonable(fn(*args))
-    except Exception as e:  # NVMLError_NotSupported and friends: evidence, not a failure
+    except Exception as e:  # noqa: BLE001 - NVMLError_NotSupported and friends: evidence, not a failure
         return _error(e)
 
 
@@ -54,8 +68,9 @@ def _nvml_device(pynvml, handle) -> dict:
     remote = [_call(pynvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link) for link in active]
     device["nvlink_remote_bus_ids"] = [r.get("busId") if isinstance(r, dict) else None for r in remote]
     # 0 GPU, 1 IBM NPU, 2 NVSwitch: behind a switch every GPU reaches every other.
-    device["nvlink_remote_types"] = [_call(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link)
-                                     for link in active]
+    device["nvlink_remote_types"] = [
+        _call(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link) for link in active
+    ]
     return device
 
 
@@ -64,7 +79,7 @@ def gather_nvml() -> dict:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception as e:  # no driver, no library, or a driver/library mismatch
+    except Exception as e:  # noqa: BLE001 - no driver, no library, a driver/library mismatch: all mean no NVML
         return {"nvml_error": _error(e)["error"]}
     evidence = {
         "driver": _call(pynvml.nvmlSystemGetDriverVersion),
@@ -76,23 +91,29 @@ def gather_nvml() -> dict:
         evidence["devices"] = [_nvml_device(pynvml, h) for h in handles]
         if len(handles) > 1:  # the PCIe path between each pair; NVLink pairs come from the links above
             evidence["nvml_common_ancestor"] = [
-                [None if i == j else _call(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
-                 for j, hj in enumerate(handles)] for i, hi in enumerate(handles)]
-    except Exception as e:
+                [
+                    None if i == j else _call(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
+                    for j, hj in enumerate(handles)
+                ]
+                for i, hi in enumerate(handles)
+            ]
+    except Exception as e:  # noqa: BLE001 - a probe never raises: what failed becomes a note
         evidence["nvml_error"] = _error(e)["error"]
     try:
         pynvml.nvmlShutdown()
-    except Exception:
-        pass  # nothing left to learn from a failed shutdown
+    except Exception:  # noqa: BLE001, S110 - nothing left to learn from a failed shutdown
+        pass
     return evidence
 
 
 def _run(argv: list[str]) -> str | dict:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return _error(e)
-    return done.stdout if done.returncode == 0 else {"error": f"exit {done.returncode}: {done.stderr.strip()[:300]}"}
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[:300]}"}
+    return done.stdout
 
 
 def gather_nvidia_smi() -> dict:
@@ -114,11 +135,16 @@ def gather_torch() -> dict:
 
         if not torch.cuda.is_available():
             return {"torch_error": "torch.cuda.is_available() is False"}
-        return {"torch_devices": [
-            {key: getattr(p, key) for key in ("name", "total_memory", "major", "minor", "multi_processor_count")}
-            for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
-        ]}
-    except Exception as e:
+        return {
+            "torch_devices": [
+                {
+                    key: getattr(p, key)
+                    for key in ("name", "total_memory", "major", "minor", "multi_processor_count")
+                }
+                for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
+            ]
+        }
+    except Exception as e:  # noqa: BLE001 - a broken CUDA setup raises anything; it is a note, not a crash
         return {"torch_error": _error(e)["error"]}
 
 

@@ -1,4 +1,5 @@
 """Parsers for the text the probe collects: `nvidia-smi -q`, `nvidia-smi topo -m`, lscpu / /proc/cpuinfo."""
+
 import re
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -19,7 +20,9 @@ def parse_smi_q(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:
         indent = len(line) - len(line.lstrip())
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        key, sep, value = line.strip().partition(" : ") if " : " in line else (line.strip().rstrip(":"), "", "")
+        key, sep, value = (
+            line.strip().partition(" : ") if " : " in line else (line.strip().rstrip(":"), "", "")
+        )
         key = key.strip()
         if sep:
             current["/".join([s for _, s in stack] + [key])] = value.strip()
@@ -44,7 +47,7 @@ def smi_number(gpu: dict[str, str], *paths: str) -> float | None:
 
 
 def parse_topo(text: str) -> dict | None:
-    """`nvidia-smi topo -m` → {"devices": [GPU0..], "links": [[X, NV12, ..]], "cpu_affinity", "numa_affinity"}."""
+    """`nvidia-smi topo -m` → {"devices", "links": [[X, NV12, ..]], "cpu_affinity", "numa_affinity"}"""
     lines = [_ANSI.sub("", line) for line in text.splitlines() if line.strip()]
     if not lines:
         return None

@@ -1,4 +1,5 @@
 """`probe()`: what this machine (or a planned one) is, as a `Hardware` with the evidence for every fact."""
+
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from autotune.hardware.profiles import Profile, get_profile, load_profiles
 
 
 def probe(gpu: str = "auto", profiles_dir: str | Path | None = None) -> Hardware:
-    """"auto": measure this machine; "cpu": this machine without its GPUs; a profile name: plan for that machine.
+    """`gpu`: "auto" measures this machine; "cpu" skips its GPUs; a profile name plans for that machine.
 
     Raises ValueError (one line, listing the known names) for an unknown profile; never for NVML trouble.
     """
@@ -28,38 +29,71 @@ def probe(gpu: str = "auto", profiles_dir: str | Path | None = None) -> Hardware
 def planned(profile: Profile) -> Hardware:
     """A machine we do not have, described by its profile alone (for estimates)."""
     why = f"profile {profile.name}"
-    gpu = GpuInfo(index=0, name=profile.description, memory_gb=profile.memory_gb,
-                  compute_capability=profile.compute_capability, architecture=profile.architecture,
-                  sm_count=profile.sm_count, pcie_gen=(profile.interconnect.get("pcie") or {}).get("generation"),
-                  power_limit_w=profile.power_limit_w, power_default_w=profile.power_limit_w,
-                  power_max_w=profile.power_limit_w, form_factor=profile.form_factor)
-    gpu.evidence = {fact: why for fact, value in vars(gpu).items()
-                    if value is not None and fact not in ("index", "evidence")}
-    return Hardware(gpus=[gpu], topology=None, driver_version=None, cuda_driver_version=None, nvml_version=None,
-                    versions={}, cpu=None, profile=profile, source=f"planned from profile {profile.name}",
-                    notes=[f"planned machine: nothing measured; GPU facts from {why} ({profile.source_url})"])
+    gpu = GpuInfo(
+        index=0,
+        name=profile.description,
+        memory_gb=profile.memory_gb,
+        compute_capability=profile.compute_capability,
+        architecture=profile.architecture,
+        sm_count=profile.sm_count,
+        pcie_gen=(profile.interconnect.get("pcie") or {}).get("generation"),
+        power_limit_w=profile.power_limit_w,
+        power_default_w=profile.power_limit_w,
+        power_max_w=profile.power_limit_w,
+        form_factor=profile.form_factor,
+    )
+    gpu.evidence = {
+        fact: why
+        for fact, value in vars(gpu).items()
+        if value is not None and fact not in ("index", "evidence")
+    }
+    return Hardware(
+        gpus=[gpu],
+        topology=None,
+        driver_version=None,
+        cuda_driver_version=None,
+        nvml_version=None,
+        versions={},
+        cpu=None,
+        profile=profile,
+        source=f"planned from profile {profile.name}",
+        notes=[f"planned machine: nothing measured; GPU facts from {why} ({profile.source_url})"],
+    )
 
 
 def _text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def probe_from_evidence(evidence: dict, smi_q: str | None = None, topo: str | None = None,
-                        profiles: dict[str, Profile] | None = None, source: str = "evidence") -> Hardware:
-    """Classifies raw evidence: a gathered dict (see gather.py; a fixture's probe.json) plus nvidia-smi texts."""
+def probe_from_evidence(
+    evidence: dict,
+    smi_q: str | None = None,
+    topo: str | None = None,
+    profiles: dict[str, Profile] | None = None,
+    source: str = "evidence",
+) -> Hardware:
+    """Classifies raw evidence: a gathered dict (gather.py; a fixture's probe.json) plus nvidia-smi texts."""
     profiles = profiles if profiles is not None else load_profiles()
     smi_q = smi_q or _text(evidence.get("nvidia_smi_q"))
     topo = topo or _text(evidence.get("nvidia_smi_topo"))
     smi_header, smi_gpus = parse_smi_q(smi_q) if smi_q else ({}, [])
     nvml_devices = [d for d in evidence.get("devices") or [] if isinstance(d, dict)]
-    torch_devices = evidence.get("torch_devices") or ([evidence["torch_props"]] if "torch_props" in evidence else [])
+    torch_devices = evidence.get("torch_devices") or (
+        [evidence["torch_props"]] if "torch_props" in evidence else []
+    )
     sources = {"nvml_error": "NVML", "nvidia_smi_error": "nvidia-smi", "torch_error": "torch"}
     notes = [f"{name}: {evidence[key]}" for key, name in sources.items() if evidence.get(key)]
-    notes += [f"nvidia-smi failed: {v['error']}" for v in (evidence.get("nvidia_smi_q"), evidence.get("nvidia_smi_topo"))
-              if isinstance(v, dict) and "error" in v]
+    notes += [
+        f"nvidia-smi failed: {v['error']}"
+        for v in (evidence.get("nvidia_smi_q"), evidence.get("nvidia_smi_topo"))
+        if isinstance(v, dict) and "error" in v
+    ]
 
     count = max(len(nvml_devices), len(smi_gpus), len(torch_devices))
-    gpus = [gpu_facts(i, *(_nth(items, i) for items in (nvml_devices, smi_gpus, torch_devices))) for i in range(count)]
+    gpus = [
+        gpu_facts(i, *(_nth(items, i) for items in (nvml_devices, smi_gpus, torch_devices)))
+        for i in range(count)
+    ]
 
     warnings, profile = [], None
     if gpus:
@@ -67,8 +101,11 @@ def probe_from_evidence(evidence: dict, smi_q: str | None = None, topo: str | No
         profile, why = matches[0]
         notes.append(why)
         if any(p is not profile for p, _ in matches):
-            warnings.append("the GPUs differ: " + ", ".join(sorted({str(g.name) for g in gpus}))
-                            + f"; profile of GPU0 used ({profile.name if profile else 'none'})")
+            warnings.append(
+                "the GPUs differ: "
+                + ", ".join(sorted({str(g.name) for g in gpus}))
+                + f"; profile of GPU0 used ({profile.name if profile else 'none'})"
+            )
         for g in gpus:
             _fill_from_profile(g, profile)
             warnings += _gpu_warnings(g)
@@ -78,8 +115,10 @@ def probe_from_evidence(evidence: dict, smi_q: str | None = None, topo: str | No
 
     cpu = cpu_facts(evidence)
     if cpu.thp_mode == "always":
-        warnings.append("transparent huge pages = always: a known cause of stalls with pinned memory "
-                        "(set /sys/kernel/mm/transparent_hugepage/enabled to madvise)")
+        warnings.append(
+            "transparent huge pages = always: a known cause of stalls with pinned memory "
+            "(set /sys/kernel/mm/transparent_hugepage/enabled to madvise)"
+        )
     topology = parse_topo(topo) if topo else None
     if topology is None and len(nvml_devices) > 1:
         topology = nvml_topology(nvml_devices, evidence.get("nvml_common_ancestor") or [])
@@ -88,11 +127,16 @@ def probe_from_evidence(evidence: dict, smi_q: str | None = None, topo: str | No
         gpus=gpus,
         topology=topology if len(gpus) > 1 else None,
         driver_version=_text(evidence.get("driver")) or smi_header.get("Driver Version"),
-        cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int)
+        cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}"
+        if isinstance(cuda, int)
         else smi_header.get("CUDA Version"),
         nvml_version=_text(evidence.get("nvml_version")),
         versions=_versions(evidence),
-        cpu=cpu, profile=profile, source=source, warnings=warnings, notes=notes,
+        cpu=cpu,
+        profile=profile,
+        source=source,
+        warnings=warnings,
+        notes=notes,
     )
 
 
@@ -122,18 +166,25 @@ def _gpu_warnings(gpu: GpuInfo) -> list[str]:
     if gpu.mig_mode == "enabled":
         warnings.append(f"GPU{gpu.index} has MIG enabled: its memory and SMs are split between instances")
     if gpu.power_limit_w and gpu.power_default_w and gpu.power_limit_w < 0.95 * gpu.power_default_w:
-        warnings.append(f"GPU{gpu.index} power limit {gpu.power_limit_w:g} W is below the board's default "
-                        f"{gpu.power_default_w:g} W: throughput will be lower than the profile's peaks")
+        warnings.append(
+            f"GPU{gpu.index} power limit {gpu.power_limit_w:g} W is below the board's default "
+            f"{gpu.power_default_w:g} W: throughput will be lower than the profile's peaks"
+        )
     return warnings
 
 
 def classify_from_fixture(path: str | Path, profiles: dict[str, Profile] | None = None) -> Hardware:
-    """A fixture folder: probe.json (gathered evidence), nvidia-smi-q.txt, nvidia-smi-topo.txt; each optional."""
+    """A fixture folder: probe.json nvidia-smi-q.txt, nvidia-smi-topo.txt; all optional."""
     path = Path(path)
 
     def read(name: str) -> str | None:
         return (path / name).read_text() if (path / name).exists() else None
 
     evidence = json.loads(read("probe.json") or "{}")
-    return probe_from_evidence(evidence, read("nvidia-smi-q.txt"), read("nvidia-smi-topo.txt"),
-                               profiles=profiles, source=f"fixture {path.name}")
+    return probe_from_evidence(
+        evidence,
+        read("nvidia-smi-q.txt"),
+        read("nvidia-smi-topo.txt"),
+        profiles=profiles,
+        source=f"fixture {path.name}",
+    )

@@ -1,4 +1,5 @@
-"""Hardware profiles: one YAML file per machine kind in `hardware_profiles/` (a user adds a kind by dropping a file)."""
+"""Hardware profiles: one YAML file per kind in `hardware_profiles/`; a user adds a kind by adding a file."""
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,9 +26,11 @@ class Profile:
     memory_bandwidth_gbps: float | None
     peak_tflops: dict[str, float | None]  # dense; a dtype absent = no such units; null = runs, peak unknown
     fp8_mode: str  # native (cc >= 8.9) | marlin_w8a16 (Ampere: FP8 weights, 16-bit compute) | none
-    interconnect: dict  # {"nvlink": {generation, bandwidth_gbps, via} | None, "pcie": {generation, bandwidth_gbps} | None}
+    interconnect: dict  # {"nvlink": {generation, bandwidth_gbps, via: sxm|bridge} | None, "pcie": {..}|None}
     power_limit_w: float | None
-    match: dict | None  # name_patterns (regex), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never auto-matched
+    match: (
+        dict | None
+    )  # name_patterns (regex), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never auto-matched
     also_see: str | None = None
 
     @property
@@ -47,7 +50,7 @@ class Profile:
 def _load(path: Path) -> Profile:
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a hardware profile must be a YAML mapping")
+        raise ValueError(f"{path}: a hardware profile must be a YAML mapping")  # noqa: TRY004 - bad input, one-line error
     try:
         profile = Profile(name=path.stem, **data)
     except TypeError as e:  # missing or unknown field

@@ -1,11 +1,26 @@
 """Rich tables for `autotune probe`: every fact next to the evidence it came from."""
+
 from rich.table import Table
 
 from autotune.hardware.facts import Hardware
 
-GPU_FACTS = ("name", "memory_gb", "compute_capability", "architecture", "sm_count", "pcie_gen", "pcie_width",
-             "nvlink_active_links", "power_limit_w", "power_default_w", "power_max_w", "board_part_number", "mig_mode", "bus_id",
-             "form_factor")
+GPU_FACTS = (
+    "name",
+    "memory_gb",
+    "compute_capability",
+    "architecture",
+    "sm_count",
+    "pcie_gen",
+    "pcie_width",
+    "nvlink_active_links",
+    "power_limit_w",
+    "power_default_w",
+    "power_max_w",
+    "board_part_number",
+    "mig_mode",
+    "bus_id",
+    "form_factor",
+)
 CPU_FACTS = ("model", "cores", "physical_cores", "avx512", "amx", "isa_flags", "ram_gb", "thp_mode")
 
 
@@ -31,9 +46,10 @@ def tables(hardware: Hardware) -> list[Table]:
         for device, row in zip(topo["devices"], topo["links"]):
             table.add_row(device, *row)
         out.append(table)
-    system = Table(title=f"System ({hardware.source})", title_justify="left")
+    system = Table(title="System", title_justify="left")
     system.add_column("fact")
     system.add_column("value")
+    system.add_row("facts", hardware.source)
     for fact in ("driver_version", "cuda_driver_version", "nvml_version"):
         system.add_row(fact, getattr(hardware, fact) or "-")
     for package, version in hardware.versions.items():
@@ -56,9 +72,12 @@ def tables(hardware: Hardware) -> list[Table]:
             links.append(f"PCIe Gen{pcie['generation']} {pcie['bandwidth_gbps']} GB/s")
         rows = {
             "profile": f"{profile.name}: {profile.description}",
-            "memory": f"{profile.memory_gb} GB at {profile.memory_bandwidth_gbps} GB/s" if profile.memory_gb
+            "memory": f"{profile.memory_gb} GB at {profile.memory_bandwidth_gbps} GB/s"
+            if profile.memory_gb
             else "not in the profile: see the measured facts",
-            "dense peak TFLOP/s": ", ".join(f"{k} {'?' if v is None else v}" for k, v in profile.peak_tflops.items()),
+            "dense peak TFLOP/s": ", ".join(
+                f"{k} {'?' if v is None else v}" for k, v in profile.peak_tflops.items()
+            ),
             "FP8": profile.fp8_mode,
             "interconnect": ", ".join(links) or "-",
             "power limit": f"{profile.power_limit_w} W" if profile.power_limit_w else "-",

@@ -1,0 +1,243 @@
+"""Hardware probing: real and spec-sheet fixtures classify right; this CPU machine probes for real."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pynvml
+import pytest
+from typer.testing import CliRunner
+
+from autotune.cli import app
+from autotune.hardware import classify_from_fixture, get_profile, load_profiles, probe, probe_from_evidence
+from autotune.hardware.profiles import PROFILES_DIR
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+def test_real_h200_capture_is_h200_sxm_hopper_with_native_fp8():
+    hw = classify_from_fixture(FIXTURES / "h200-sxm-1gpu")
+    assert hw.gpu_count == 1
+    gpu = hw.gpus[0]
+    assert (gpu.name, gpu.compute_capability, gpu.architecture, gpu.sm_count) == (
+        "NVIDIA H200",
+        "9.0",
+        "Hopper",
+        132,
+    )
+    assert gpu.form_factor == "sxm" and "700 W" in gpu.evidence["form_factor"]
+    assert gpu.memory_gb == pytest.approx(140.4, abs=0.1) and gpu.evidence["memory_gb"].startswith("NVML")
+    assert (gpu.pcie_gen, gpu.pcie_width, gpu.mig_mode, gpu.nvlink_active_links) == (5, 16, "disabled", 0)
+    assert gpu.board_part_number == "692-2G520-0282-000"
+    assert (
+        hw.profile.name == "h200-sxm" and hw.profile.fp8_mode == "native" and hw.profile.supports_dtype("fp8")
+    )
+    assert (hw.driver_version, hw.cuda_driver_version, hw.nvml_version) == (
+        "580.159.04",
+        "13.0",
+        "13.580.159.04",
+    )
+    assert hw.versions == {"sglang": None, "vllm": None, "torch": "2.11.0+cu130"}
+    assert hw.cpu.amx and hw.cpu.avx512 and hw.cpu.cores == 16 and hw.cpu.thp_mode == "madvise"
+    assert hw.topology is None  # one GPU: nothing to connect
+    json.dumps(hw.to_dict())  # JSON-able as the CLI prints it
+
+
+def test_h200_classifies_from_nvidia_smi_text_alone(tmp_path):
+    for name in ("nvidia-smi-q.txt", "nvidia-smi-topo.txt"):
+        shutil.copy(FIXTURES / "h200-sxm-1gpu" / name, tmp_path / name)
+    hw = classify_from_fixture(tmp_path)
+    gpu = hw.gpus[0]
+    assert hw.profile.name == "h200-sxm" and gpu.form_factor == "sxm"
+    assert gpu.evidence["power_max_w"] == "nvidia-smi -q Max Power Limit" and gpu.power_max_w == 700
+    assert (
+        gpu.compute_capability == "9.0"
+        and gpu.evidence["compute_capability"] == "not measured: profile h200-sxm"
+    )
+    assert hw.driver_version == "580.159.04" and hw.cuda_driver_version == "13.0"
+
+
+@pytest.mark.parametrize(
+    "fixture, profile, form_factor, gpus, nvlink_links, fp8",
+    [
+        ("a100-sxm4-80gb-8gpu", "a100-80gb-sxm4", "sxm", 8, 12, "marlin_w8a16"),
+        ("a100-sxm4-40gb-1gpu", "a100-40gb-sxm4", "sxm", 1, 0, "marlin_w8a16"),
+        ("a100-80gb-pcie-1gpu", "a100-80gb-pcie", "pcie", 1, 0, "marlin_w8a16"),
+        ("h100-sxm5-1gpu", "h100-sxm5", "sxm", 1, 0, "native"),
+        ("h100-pcie-1gpu", "h100-pcie", "pcie", 1, 0, "native"),
+        ("h200-nvl-1gpu", "h200-nvl", "nvl", 1, 0, "native"),
+        ("rtx-a6000-2gpu-nvlink-bridge", "rtx-a6000", "pcie", 2, 4, "marlin_w8a16"),
+        ("rtx-3090-1gpu", "rtx-3090", "pcie", 1, 0, "marlin_w8a16"),
+        ("l40s-1gpu", "l40s", "pcie", 1, None, "native"),
+    ],
+)
+def test_spec_sheet_fixtures_classify(fixture, profile, form_factor, gpus, nvlink_links, fp8):
+    hw = classify_from_fixture(FIXTURES / fixture)
+    assert hw.gpu_count == gpus
+    assert hw.profile is not None and hw.profile.name == profile, hw.notes
+    assert hw.profile.fp8_mode == fp8
+    for gpu in hw.gpus:
+        assert gpu.form_factor == form_factor, gpu.evidence["form_factor"]
+        assert gpu.nvlink_active_links == (nvlink_links or 0)
+        assert (
+            gpu.sm_count == hw.profile.sm_count
+        )  # NVML core count / cores per SM agrees with the spec sheet
+        assert gpu.compute_capability == hw.profile.compute_capability
+
+
+def test_eight_a100s_on_nvswitch_topology_from_text_and_from_nvml(tmp_path):
+    hw = classify_from_fixture(FIXTURES / "a100-sxm4-80gb-8gpu")
+    topo = hw.topology
+    assert topo["source"] == "nvidia-smi topo -m" and topo["devices"] == [f"GPU{i}" for i in range(8)]
+    assert all(topo["links"][i][j] == ("X" if i == j else "NV12") for i in range(8) for j in range(8))
+    assert topo["cpu_affinity"][0] == "48-63,176-191" and topo["numa_affinity"][2] == "1"
+    shutil.copy(FIXTURES / "a100-sxm4-80gb-8gpu" / "probe.json", tmp_path / "probe.json")  # no topo text
+    from_nvml = classify_from_fixture(tmp_path).topology
+    assert from_nvml["source"].startswith("NVML") and from_nvml["links"] == topo["links"]
+
+
+def test_nvlink_bridge_keeps_a6000s_pcie_and_shows_nv4():
+    hw = classify_from_fixture(FIXTURES / "rtx-a6000-2gpu-nvlink-bridge")
+    assert hw.topology["links"] == [["X", "NV4"], ["NV4", "X"]]
+    assert "bridge" in hw.gpus[0].evidence["form_factor"]
+
+
+def test_a_gpu_without_profile_is_reported_unmatched_with_reasons():
+    hw = classify_from_fixture(FIXTURES / "h100-nvl-1gpu-unmatched")
+    assert hw.profile is None and hw.gpus[0].form_factor == "nvl"
+    note = next(n for n in hw.notes if "no hardware profile matches" in n)
+    assert (
+        "NVIDIA H100 NVL" in note
+        and "h100-sxm5: memory 93.6 GiB outside" in note
+        and "measured facts" in note
+    )
+
+
+def test_cpu_facts_and_thp_always_warning():
+    hw = classify_from_fixture(FIXTURES / "a100-sxm4-80gb-8gpu")
+    assert hw.cpu.model == "AMD EPYC 7742 64-Core Processor" and hw.cpu.cores == 256
+    assert hw.cpu.ram_gb == pytest.approx(2015.7, abs=0.1) and not hw.cpu.avx512
+    assert hw.cpu.thp_mode == "always" and any("transparent huge pages = always" in w for w in hw.warnings)
+
+
+def test_mig_and_power_cap_are_warned():
+    evidence = json.loads((FIXTURES / "a100-sxm4-40gb-1gpu" / "probe.json").read_text())
+    evidence["devices"][0]["nvmlDeviceGetMigMode"] = [1, 1]
+    evidence["devices"][0]["nvmlDeviceGetEnforcedPowerLimit"] = 250_000
+    hw = probe_from_evidence(evidence)
+    assert hw.gpus[0].mig_mode == "enabled" and hw.gpus[0].power_limit_w == 250
+    assert any("MIG enabled" in w for w in hw.warnings) and any("250 W is below" in w for w in hw.warnings)
+    assert hw.profile.name == "a100-40gb-sxm4"  # matched on the board's ceiling, not the cap
+
+
+def test_profiles_are_complete_and_consistent():
+    profiles = load_profiles()
+    expected = {
+        "a100-40gb-sxm4",
+        "a100-80gb-sxm4",
+        "a100-80gb-pcie",
+        "h100-sxm5",
+        "h100-pcie",
+        "h200-sxm",
+        "h200-nvl",
+        "rtx-a6000",
+        "rtx-3090",
+        "l40s",
+        "cpu",
+    }
+    assert expected <= set(profiles)
+    for p in profiles.values():
+        assert p.source_url.startswith("https://"), p.name
+        if not p.is_gpu:
+            assert p.fp8_mode == "none" and p.match is None
+            continue
+        cc = tuple(map(int, p.compute_capability.split(".")))
+        assert p.fp8_mode == ("native" if cc >= (8, 9) else "marlin_w8a16"), p.name
+        assert p.supports_dtype("fp8") == (p.fp8_mode == "native")
+        assert p.memory_gb > 0 and p.memory_bandwidth_gbps > 0 and p.power_limit_w > 0
+        assert (
+            p.peak_tflops["fp32"] <= p.peak_tflops["tf32"] <= p.peak_tflops["bf16"] <= p.peak_tflops["int8"]
+        )
+        assert p.interconnect["pcie"]["generation"] in (4, 5)
+        lo, hi = p.match["power_limit_w"]
+        assert lo <= p.power_limit_w <= hi, p.name
+
+
+def test_user_profile_dropped_in_a_folder_is_loaded_and_plannable(tmp_path):
+    shipped = (PROFILES_DIR / "l40s.yaml").read_text()
+    (tmp_path / "l40-custom.yaml").write_text(shipped.replace("memory_gb: 48", "memory_gb: 47"))
+    hw = probe("l40-custom", profiles_dir=tmp_path)
+    assert hw.profile.name == "l40-custom" and hw.gpus[0].memory_gb == 47 and hw.source.startswith("planned")
+    (tmp_path / "broken.yaml").write_text("description: x\nform_factor: tpu\n")
+    with pytest.raises(ValueError, match="broken.yaml"):
+        load_profiles(tmp_path)
+
+
+def test_unknown_profile_is_a_one_line_error_listing_the_known_ones():
+    with pytest.raises(ValueError) as error:
+        get_profile("h300")
+    message = str(error.value)
+    assert "\n" not in message and "h300" in message
+    assert all(name in message for name in load_profiles())
+
+
+def test_cli_probe_json_reports_this_cpu_machine():
+    done = subprocess.run(
+        ["autotune", "probe", "--json"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["profile"]["name"] == "cpu" and report["gpu_count"] == 0 and report["source"] == "measured"
+    cpu = report["cpu"]
+    assert cpu["cores"] >= 1 and cpu["ram_gb"] > 0 and cpu["model"]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists():
+        assert f"[{cpu['thp_mode']}]" in thp.read_text()
+    assert any(note.startswith("NVML") for note in report["notes"])
+
+
+def test_cli_unknown_gpu_exits_2_with_one_line():
+    done = subprocess.run(
+        ["autotune", "probe", "--gpu", "h300"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(
+        "error: unknown hardware profile 'h300'; known:"
+    )
+    assert "rtx-a6000" in done.stderr
+
+
+def test_cli_tables_for_a_planned_machine():
+    result = CliRunner().invoke(app, ["probe", "--gpu", "h100-pcie"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert (
+        "planned from profile h100-pcie" in result.output and "NVIDIA H100 PCIe 80GB HBM2e" in result.output
+    )
+    assert "resources.nvidia.com" in result.output and "native" in result.output
+
+
+def _raise_nvml(*args):
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+
+def test_nvml_failing_at_init_degrades_to_a_note(monkeypatch):
+    monkeypatch.setattr(pynvml, "nvmlInit", _raise_nvml)
+    hw = probe()
+    assert hw.profile.name == "cpu" and hw.gpus == []
+    assert any(note.startswith("NVML: NVMLError") for note in hw.notes)
+
+
+def test_nvml_failing_on_every_query_degrades_to_notes(monkeypatch):
+    for name in dir(pynvml):
+        if name.startswith(("nvmlDevice", "nvmlSystem")) or name == "nvmlShutdown":
+            monkeypatch.setattr(pynvml, name, _raise_nvml)
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: f"handle{i}")
+    hw = probe()
+    assert hw.gpu_count == 2 and hw.gpus[0].name is None and hw.profile is None
+    assert hw.driver_version is None and hw.topology["links"][0] == ["X", "?"]
+    assert any("no hardware profile matches" in n for n in hw.notes)
+    result = CliRunner().invoke(app, ["probe"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0 and "none matched" in result.output
