@@ -1,0 +1,137 @@
+"""One speculative-decoding step for a batch of sequences: draft -> verify -> accept.
+
+Invariant: the target's KV cache holds every token of a sequence except its newest, which sits at
+position `positions[b]`. A step feeds [newest, d_1 .. d_K] at positions p .. p+K through the target
+once, accepts a prefix of the proposals and appends the target's own next token, so every step
+emits between 1 and k+1 tokens. Stale cache entries past the accepted prefix are masked by position
+and overwritten by the next step.
+
+Temperature 0 accepts a proposal iff it equals the target's argmax, so the output is the target's
+own greedy output. Temperature > 0 uses rejection sampling (Leviathan et al., 2023): accept x ~ q
+with probability min(1, p(x) / q(x)); at the first rejection draw from norm(max(p - q, 0)); after
+k acceptances draw from p. The emitted tokens are then distributed exactly as sampling from p.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from autotune.embedded.sampling import (
+    SamplingBatch,
+    draw,
+    exponential_noise,
+    penalise,
+    presence_along,
+    probabilities,
+    uniform_noise,
+)
+
+MAX_DRAFT_LENGTH = 16
+ENTROPY_POSITIONS = 32  # prompt entropy = mean next-token entropy over this many leading prompt positions
+
+
+@dataclass
+class StepInput:
+    rows: Tensor | None  # cache slots of the batch rows; None = slots 0..B-1
+    last_tokens: Tensor  # [B] newest token of each sequence (not yet in the target's cache)
+    positions: Tensor  # [B] its position
+    histories: list[np.ndarray]  # every token of each sequence, newest last (for n-gram lookup)
+    draft_lengths: list[int]  # k per row; 0 = plain decode
+    kv_len: int  # attended cache length: covers every row's position + K
+    sampling: SamplingBatch
+
+
+@dataclass
+class StepOutput:
+    tokens: list[list[int]]  # per row: the accepted proposals, then the target's own token
+    proposed: list[int]
+    accepted: list[int]
+    draft_seconds: float
+    verify_seconds: float
+
+
+def leading_true(ok: Tensor) -> Tensor:
+    """[B, K] bool -> [B] length of the all-true prefix."""
+    return ok.long().cumprod(1).sum(1)
+
+
+def accept(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, proposed: Tensor, sampling: SamplingBatch):
+    """Target logits [B, K+1, V] + proposals [B, K] -> (tokens [B, K+1], accepted [B]).
+
+    tokens[b, :accepted[b] + 1] are emitted. draft_probs [B, K, V] are the distributions the
+    proposals were drawn from; None means deterministic proposals (one-hot q, e.g. n-gram).
+    """
+    batch, width, vocab = logits.shape
+    k = width - 1
+    if sampling.presence is not None:
+        logits = penalise(logits, sampling.repetition_penalty, presence_along(sampling.presence, drafts))
+    in_proposal = torch.arange(k, device=logits.device) < proposed[:, None]
+    greedy_tokens = logits.argmax(-1)
+    greedy_accepted = leading_true((drafts == greedy_tokens[:, :k]) & in_proposal)
+    if not sampling.any_sampled:
+        return greedy_tokens, greedy_accepted
+
+    p = probabilities(logits, sampling)
+    p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, drafts[..., None])[..., 0]
+    u = uniform_noise((k,), sampling.generators, logits.device)
+    accepted = leading_true((u * q_x < p_x) & in_proposal)
+
+    rows = torch.arange(batch, device=logits.device)
+    p_next = p[rows, accepted]
+    if k:
+        at = accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_next = torch.zeros_like(p_next).scatter(1, drafts[rows, at][:, None], 1.0)
+        else:
+            q_next = draft_probs[rows, at]
+        rejected = (accepted < proposed)[:, None]
+        residual = torch.where(rejected, (p_next - q_next).clamp_min(0), p_next)
+        # p == q up to rounding leaves nothing to reject into; p itself is then the right law.
+        p_next = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    bonus = draw(p_next, exponential_noise((vocab,), sampling.generators, logits.device))
+    tokens = torch.cat([drafts, bonus[:, None]], 1)
+    tokens[rows, accepted] = bonus
+    greedy = sampling.greedy
+    return torch.where(greedy[:, None], greedy_tokens, tokens), torch.where(greedy, greedy_accepted, accepted)
+
+
+def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
+    """verify(input_ids, input_pos, rows, kv_len) -> logits is the target; drafter proposes (drafters.py)."""
+    start = time.perf_counter()
+    drafts, draft_probs, proposed = drafter.propose(step)
+    drafted = time.perf_counter()
+    k = drafts.shape[1]
+    input_ids = torch.cat([step.last_tokens[:, None], drafts], 1)
+    input_pos = step.positions[:, None] + torch.arange(k + 1, device=drafts.device)
+    logits = verify(input_ids, input_pos, step.rows, step.kv_len)
+    proposed_t = torch.tensor(proposed, device=drafts.device)
+    tokens, accepted = accept(logits, drafts, draft_probs, proposed_t, step.sampling)
+    host = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the step's one host sync
+    done = time.perf_counter()
+    return StepOutput(
+        tokens=[row[: row[-1] + 1] for row in host],
+        proposed=proposed,
+        accepted=[row[-1] for row in host],
+        draft_seconds=drafted - start,
+        verify_seconds=done - drafted,
+    )
+
+
+def prefill_chunk(target, drafter, input_ids: Tensor, start: int, row: Tensor | None, kv_len: int) -> Tensor | None:
+    """Feed prompt tokens [1, T] at positions start.. into the target (and a drafter's own cache).
+
+    Returns the summed next-token entropy (nats) of the chunk's positions below ENTROPY_POSITIONS,
+    or None when the chunk has none; the head runs only for those positions.
+    """
+    width = input_ids.shape[1]
+    input_pos = torch.arange(start, start + width, device=input_ids.device)[None]
+    entropy_width = max(0, min(width, ENTROPY_POSITIONS - start))
+    logits = target(input_ids, input_pos, row, kv_len, logits_from=width - entropy_width)
+    drafter.prefill(input_ids, input_pos, row, kv_len)
+    if not entropy_width:
+        return None
+    logp = torch.log_softmax(logits[0, :entropy_width].float(), dim=-1)
+    return -(logp.exp() * logp).sum()

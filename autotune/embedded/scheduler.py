@@ -1,0 +1,406 @@
+"""The embedded engine: continuous batching of speculative steps on one background thread.
+
+Each turn of the loop admits queued requests into free cache slots (FIFO), feeds one prefill chunk
+of the oldest prefilling request (so a long prompt never stalls running streams for long), then
+runs one speculative step (generate.py) over every decoding request together. Requests leave the
+batch as soon as they finish or are cancelled.
+"""
+import collections
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from autotune.embedded.config import (
+    COMPILE_BACKENDS,
+    DRAFT_POLICIES,
+    DRAFTERS,
+    DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    GenerationEvent,
+    GenerationRequest,
+    SpecStats,
+)
+from autotune.embedded.draft_policy import DraftPolicy, load_estimator
+from autotune.embedded.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from autotune.embedded.generate import (
+    ENTROPY_POSITIONS,
+    MAX_DRAFT_LENGTH,
+    StepInput,
+    prefill_chunk,
+    speculative_step,
+)
+from autotune.embedded.model import KVCache
+from autotune.embedded.runner import ModelRunner
+from autotune.embedded.sampling import SamplingBatch
+
+KV_BUCKET = 64  # attended cache lengths are rounded up to this (fewer distinct shapes for compile)
+RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
+
+
+class Sequence:
+    """One request in flight: its tokens, cache slot, draft length and counters."""
+
+    def __init__(self, request_id: int, request: GenerationRequest, on_event, slot: int, stops: frozenset[int],
+                 generator: torch.Generator):
+        self.id, self.request, self.params, self.on_event = request_id, request, request.params, on_event
+        self.slot, self.stops, self.generator = slot, stops, generator
+        self.prompt_len = len(request.prompt_ids)
+        self.tokens = np.empty(self.prompt_len + self.params.max_tokens, dtype=np.int64)
+        self.tokens[: self.prompt_len] = request.prompt_ids
+        self.length = self.prompt_len
+        self.prefilled = 0  # prompt tokens in the cache; prefill stops one short (the newest is fed by a step)
+        self.entropy_sum: torch.Tensor | float = 0.0
+        self.prompt_entropy: float | None = None
+        self.k = 0
+        self.completion = 0
+        self.spec = SpecStats()
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prompt_len - 1
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from autotune.embedded.weights import check_draft_compatible, load_model
+
+        self.config = config
+        _validate(config)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if config.device == "auto" else config.device)
+        headroom = MAX_DRAFT_LENGTH + 1  # a step may write k + 1 positions past a sequence's end
+        target = load_model(config.model, config.dtype, str(self.device), config.max_seq_len + headroom)
+        if config.quantization == "int8":
+            from autotune.embedded.quantize import quantize_int8
+            target.model = quantize_int8(target.model, copy=False)
+        self.tokenizer, self.model_name, self.vocab_size = target.tokenizer, target.name, target.args.vocab_size
+        self.max_seq_len = min(config.max_seq_len, target.args.max_seq_len - headroom)
+        graphs = list(config.cuda_graph_batch_sizes) if self.device.type == "cuda" else []
+        slots, cache_len, dtype = config.verify_slots, self.max_seq_len + headroom, target.model.output.weight.dtype
+        if dtype == torch.int8:  # int8 weights keep activations in the configured dtype
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+
+        def runner(model, args):
+            cache = KVCache(args, slots + bool(graphs), cache_len, dtype, self.device)
+            return ModelRunner(model, cache, config.compile, graphs, scratch_slot=slots if graphs else None)
+
+        self.target = runner(target.model, target.args)
+        if config.drafter == "ngram":
+            self.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        elif config.drafter == "early_exit":
+            if not 1 <= config.early_exit_layers < target.args.n_layers:
+                raise ValueError(f"early_exit_layers must be in 1..{target.args.n_layers - 1}")
+            layers = config.early_exit_layers
+            self.drafter = ModelDrafter(lambda *a: self.target(*a, num_layers=layers), shares_target_cache=True)
+        elif config.drafter in ("draft_model", "quantized_self"):
+            if config.drafter == "draft_model":
+                if not config.draft_model:
+                    raise ValueError("drafter draft_model needs a draft checkpoint (--draft-model PATH)")
+                draft = load_model(config.draft_model, config.dtype, str(self.device), config.max_seq_len + headroom)
+                check_draft_compatible(target, draft)
+                draft_model, draft_args = draft.model, draft.args
+            else:
+                from autotune.embedded.quantize import quantize_int8
+                draft_model, draft_args = quantize_int8(target.model, copy=True), target.args
+            draft_runner = runner(draft_model, draft_args)
+            self.drafter = ModelDrafter(draft_runner, shares_target_cache=False, prefill_forward=draft_runner)
+        else:
+            self.drafter = NoDrafter()
+        estimator = load_estimator(config.draft_estimator) if config.draft_estimator else None
+        self.policy = DraftPolicy(config.draft_policy, config.draft_length, estimator)
+        self.slot_rows = [torch.tensor([s], device=self.device) for s in range(slots)]
+        self.seeds = np.random.default_rng(config.seed)
+
+        self._lock = threading.Condition()
+        self._queue: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._cancelled: set[int] = set()
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._totals = dict(requests_total=0, prompt_tokens_total=0, generation_tokens_total=0, verify_steps=0,
+                            draft_tokens=0, accepted_tokens=0, rejections=0, draft_seconds_total=0.0,
+                            verify_seconds_total=0.0)
+
+    # -- the public, thread-safe surface ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]) -> int:
+        request_id = next(self._ids)
+        with self._lock:
+            self._totals["requests_total"] += 1
+            self._queue.append(Sequence(request_id, request, on_event, -1, frozenset(), None))
+            self._lock.notify()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify()
+
+    def stats(self) -> dict:
+        with self._lock:
+            totals = dict(self._totals, requests_running=len(self._running), requests_waiting=len(self._queue))
+        steps, proposed = totals["verify_steps"], totals["draft_tokens"]
+        totals["accept_length"] = totals["generation_tokens_total"] / steps if steps else 0.0
+        totals["accept_rate"] = totals["accepted_tokens"] / proposed if proposed else 0.0
+        return totals
+
+    def update_runtime(self, **knobs) -> dict:
+        """Change draft_length, draft_policy, ngram_min, ngram_max between steps; returns the values now."""
+        unknown = set(knobs) - set(RUNTIME_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown runtime knob(s) {sorted(unknown)}; known: {', '.join(RUNTIME_KNOBS)}")
+        with self._lock:
+            current = dict(draft_length=self.policy.draft_length, draft_policy=self.policy.name,
+                           ngram_min=self.config.ngram_min, ngram_max=self.config.ngram_max)
+            new = dict(current, **knobs)
+            for name in ("draft_length", "ngram_min", "ngram_max"):
+                if not isinstance(new[name], int) or isinstance(new[name], bool):
+                    raise ValueError(f"{name} must be an integer, got {new[name]!r}")
+            if not 0 <= new["draft_length"] <= MAX_DRAFT_LENGTH:
+                raise ValueError(f"draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {new['draft_length']}")
+            if not 1 <= new["ngram_min"] <= new["ngram_max"]:
+                raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {new['ngram_min']}..{new['ngram_max']}")
+            if new["draft_policy"] not in DRAFT_POLICIES:
+                raise ValueError(f"draft_policy must be one of {', '.join(DRAFT_POLICIES)}")
+            self.policy = DraftPolicy(new["draft_policy"], new["draft_length"], self.policy.estimator)
+            self.config.ngram_min, self.config.ngram_max = new["ngram_min"], new["ngram_max"]
+            if isinstance(self.drafter, NgramDrafter):
+                self.drafter.ngram_min, self.drafter.ngram_max = new["ngram_min"], new["ngram_max"]
+            return new
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            with self._lock:
+                while not (self._running or self._queue or self._cancelled or self._stopping):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                cancelled, self._cancelled = self._cancelled, set()
+                for seq in [s for s in self._queue if s.id in cancelled]:
+                    self._queue.remove(seq)
+                    self._finish(seq, "abort")
+                admitted = self._admit()
+            for seq in [s for s in self._running if s.id in cancelled]:
+                self._finish(seq, "abort")
+            for seq in admitted:
+                if seq.id not in cancelled:
+                    self._start(seq)
+            try:
+                self._step()
+            except Exception as exc:  # a broken step must not take the server down with it
+                for seq in list(self._running):
+                    self._finish(seq, "error", f"engine step failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            leftover, self._queue = list(self._running) + list(self._queue), collections.deque()
+        for seq in leftover:
+            self._finish(seq, "abort")
+
+    def _admit(self) -> list[Sequence]:
+        """Move queued requests into free slots, oldest first (caller holds the lock)."""
+        free = sorted(set(range(self.config.verify_slots)) - {s.slot for s in self._running})
+        admitted = []
+        while free and self._queue:
+            seq = self._queue.popleft()
+            seq.slot = free.pop(0)
+            self._running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _start(self, seq: Sequence):
+        problem = self._check(seq.request)
+        if problem:
+            return self._finish(seq, "error", problem)
+        params = seq.params
+        stops = set(seq.request.stop_token_ids)
+        if params.ignore_eos:
+            stops -= self.tokenizer.stop_token_ids
+        seq.stops = frozenset(stops)
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(self.seeds.integers(2**62))
+            seq.generator = torch.Generator(self.device).manual_seed(seed)
+        with self._lock:
+            self._totals["prompt_tokens_total"] += seq.prompt_len
+        if seq.decoding:
+            self._begin_decoding(seq)
+
+    def _check(self, request: GenerationRequest) -> str | None:
+        params, prompt = request.params, request.prompt_ids
+        if not prompt:
+            return "the prompt is empty"
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"prompt token ids must be in 0..{self.vocab_size - 1}"
+        if params.max_tokens <= 0:
+            return f"max_tokens must be positive, got {params.max_tokens}"
+        if len(prompt) + params.max_tokens > self.max_seq_len:
+            return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                    f"length of {self.max_seq_len} tokens")
+        if not (0 <= params.temperature <= 100 and 0 < params.top_p <= 1 and params.top_k >= 0
+                and params.repetition_penalty > 0):
+            return "need 0 <= temperature <= 100, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0"
+        if params.draft_length is not None and not 0 <= params.draft_length <= MAX_DRAFT_LENGTH:
+            return f"draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {params.draft_length}"
+        return None
+
+    def _step(self):
+        prefilling = [s for s in self._running if not s.decoding]
+        if prefilling:
+            self._prefill(prefilling[0])
+        decoding = [s for s in self._running if s.decoding]
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill(self, seq: Sequence):
+        start = seq.prefilled
+        end = min(seq.prompt_len - 1, start + self.config.prefill_ubatch)
+        if start < ENTROPY_POSITIONS:  # the entropy positions get their own chunk: the head runs only there
+            end = min(end, ENTROPY_POSITIONS)
+        chunk = torch.from_numpy(seq.tokens[start:end]).to(self.device)[None]
+        row = None if seq.slot == 0 else self.slot_rows[seq.slot]
+        entropy = prefill_chunk(self.target, self.drafter, chunk, start, row, _bucket(end, self.target.cache.max_len))
+        if entropy is not None:
+            seq.entropy_sum = seq.entropy_sum + entropy
+        seq.prefilled = end
+        if seq.decoding:
+            self._begin_decoding(seq)
+
+    def _begin_decoding(self, seq: Sequence):
+        counted = min(ENTROPY_POSITIONS, seq.prompt_len - 1)
+        seq.prompt_entropy = float(seq.entropy_sum) / counted if counted else None
+        override = seq.params.draft_length
+        features = dict(prompt_entropy=seq.prompt_entropy or 0.0, prompt_tokens=seq.prompt_len,
+                        prompt_chars=len(seq.request.prompt_text), temperature=seq.params.temperature,
+                        top_p=seq.params.top_p, prompt_text=seq.request.prompt_text)
+        seq.k = override if override is not None else self.policy.first_k(features)
+        if type(self.drafter) is NoDrafter:
+            seq.k = 0
+
+    def _decode(self, batch: list[Sequence]):
+        policy = self.policy
+        # Never propose past max_tokens: a step emits at most k + 1 tokens.
+        ks = [min(s.k, s.params.max_tokens - s.completion - 1) for s in batch]
+        positions = [s.length - 1 for s in batch]
+        slots = [s.slot for s in batch]
+        ints = torch.tensor([[s.tokens[s.length - 1], p, s.slot, s.params.top_k]
+                             for s, p in zip(batch, positions)], device=self.device)
+        floats = torch.tensor([[s.params.temperature, s.params.top_p, s.params.repetition_penalty] for s in batch],
+                              device=self.device)
+        step = StepInput(
+            rows=None if slots == list(range(len(batch))) else ints[:, 2],
+            last_tokens=ints[:, 0], positions=ints[:, 1],
+            histories=[s.tokens[: s.length] for s in batch], draft_lengths=ks,
+            kv_len=_bucket(max(positions) + max(ks) + 1, self.target.cache.max_len),
+            sampling=self._sampling(batch, ints[:, 3], floats),
+        )
+        out = speculative_step(self.target, self.drafter, step)
+        with self._lock:
+            self._totals["draft_seconds_total"] += out.draft_seconds
+            self._totals["verify_seconds_total"] += out.verify_seconds
+        for seq, tokens, proposed, accepted in zip(batch, out.tokens, out.proposed, out.accepted):
+            spec = seq.spec
+            spec.verify_steps += 1
+            spec.draft_tokens += proposed
+            spec.accepted_tokens += accepted
+            spec.rejections += accepted < proposed
+            spec.draft_seconds += out.draft_seconds
+            spec.verify_seconds += out.verify_seconds
+            if seq.params.draft_length is None:
+                seq.k = policy.next_k(seq.k, proposed, accepted)
+            self._emit(seq, tokens, proposed, accepted)
+
+    def _sampling(self, batch, top_k, floats) -> SamplingBatch:
+        penalised = [row for row, s in enumerate(batch) if s.params.repetition_penalty != 1.0]
+        presence = None
+        if penalised:
+            presence = torch.zeros((len(batch), self.vocab_size), dtype=torch.bool, device=self.device)
+            for row in penalised:
+                seq = batch[row]
+                presence[row, torch.from_numpy(seq.tokens[: seq.length]).to(self.device)] = True
+        return SamplingBatch(
+            temperature=floats[:, 0], top_k=top_k, top_p=floats[:, 1], repetition_penalty=floats[:, 2],
+            presence=presence, generators=[s.generator for s in batch],
+            any_sampled=any(s.params.temperature > 0 for s in batch),
+            any_filtered=any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in batch),
+        )
+
+    def _emit(self, seq: Sequence, tokens: list[int], proposed: int, accepted: int):
+        finish, new = None, []
+        for token in tokens:
+            new.append(token)
+            seq.tokens[seq.length] = token
+            seq.length += 1
+            seq.completion += 1
+            if token in seq.stops:
+                finish = "stop"
+                break
+            if seq.completion >= seq.params.max_tokens:
+                finish = "length"
+                break
+        with self._lock:
+            t = self._totals
+            t["generation_tokens_total"] += len(new)
+            t["verify_steps"] += 1
+            t["draft_tokens"] += proposed
+            t["accepted_tokens"] += accepted
+            t["rejections"] += accepted < proposed
+        if finish:
+            self._finish(seq, finish, new_tokens=new)
+        else:
+            self._send(seq, GenerationEvent(new))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_tokens=()):
+        with self._lock:
+            if seq in self._running:
+                self._running.remove(seq)
+        self._send(seq, GenerationEvent(
+            list(new_tokens), finish_reason=reason, prompt_tokens=seq.prompt_len, completion_tokens=seq.completion,
+            spec=SpecStats(**asdict(seq.spec)), prompt_entropy=seq.prompt_entropy, error=error))
+
+    def _send(self, seq: Sequence, event: GenerationEvent):
+        try:
+            seq.on_event(event)
+        except Exception:  # a consumer that breaks loses its request, not the engine
+            if event.finish_reason is None:
+                self.cancel(seq.id)
+
+
+def _bucket(length: int, limit: int) -> int:
+    return min(limit, math.ceil(length / KV_BUCKET) * KV_BUCKET)
+
+
+def _validate(config: EngineConfig):
+    choices = dict(drafter=DRAFTERS, draft_policy=DRAFT_POLICIES, dtype=DTYPES, quantization=QUANTIZATIONS,
+                   compile=COMPILE_BACKENDS)
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+    if not 0 <= config.draft_length <= MAX_DRAFT_LENGTH:
+        raise ValueError(f"draft_length must be in 0..{MAX_DRAFT_LENGTH}")
+    if not 1 <= config.ngram_min <= config.ngram_max:
+        raise ValueError("need 1 <= ngram_min <= ngram_max")
+    if config.verify_slots < 1 or config.prefill_ubatch < 1 or config.max_seq_len < 2:
+        raise ValueError("verify_slots and prefill_ubatch must be >= 1, max_seq_len >= 2")
+    if any(b < 1 for b in config.cuda_graph_batch_sizes):
+        raise ValueError("cuda_graph_batch_sizes must be positive")
+    if config.draft_policy == "estimator" and not config.draft_estimator:
+        raise ValueError("draft_policy estimator needs --draft-estimator FILE")
