@@ -145,7 +145,8 @@ def decide_form_factor(gpu: GpuInfo) -> tuple[str | None, str]:
     if gpu.power_max_w is None:
         return None, "undecided: no SXM/NVL/PCIe marker in the name and no power limit"
     if gpu.power_max_w > PCIE_MAX_POWER_W:
-        return "sxm", f"board power limit {gpu.power_max_w:g} W: above any PCIe/NVL card ({PCIE_MAX_POWER_W} W)"
+        limit = f"board power limit {gpu.power_max_w:g} W"
+        return "sxm", f"{limit} > {PCIE_MAX_POWER_W} W, the most any PCIe/NVL card draws"
     return "pcie", f"no SXM/NVL marker in the name and board power limit {gpu.power_max_w:g} W" + bridge
 
 
