@@ -4,7 +4,7 @@ Requests (`/v1/completions`, `/v1/chat/completions`) accept: `prompt` (string or
 `messages`, `max_tokens` (or `max_completion_tokens`), `temperature` [0, 2], `top_p` (0, 1],
 `top_k` (0 or -1 = off), `repetition_penalty` (> 0), `stop` (string or list; matched on the
 detokenized text, which is cut before it), `seed`, `ignore_eos` (vLLM/SGLang extension), `n` (1 only),
-`stream`, `stream_options.include_usage`, and the extension `draft_length` (per-request k, >= 0).
+`stream`, `stream_options.include_usage`, and the extension `draft_length` (per-request k, 0..MAX_DRAFT_LENGTH).
 Unknown fields are ignored, as OpenAI-compatible servers do. Anything invalid raises BadRequest,
 which the server turns into HTTP 400 with an OpenAI-style error body.
 
@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from autotune.embedded.config import GenerationEvent, SamplingParams
+from autotune.embedded.generate import MAX_DRAFT_LENGTH
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 
@@ -159,7 +160,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, low=0, high=10, low_open=True)),
         ignore_eos=_flag(body, "ignore_eos"),
         seed=_number(body, "seed", None, integer=True),
-        draft_length=_number(body, "draft_length", None, low=0, high=max_seq_len, integer=True),
+        draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),
     )
     return ParsedRequest(
         chat=chat, model=model, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,

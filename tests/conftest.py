@@ -1,0 +1,102 @@
+"""Shared fixtures: a live embedded engine, started the way users start it (`autotune serve`).
+
+`embedded_server`        session-wide server (bundled SmolLM2-135M, ngram drafter); yields its base URL
+`start_embedded_server`  factory for tests that need other flags: start_embedded_server(drafter="none",
+                         verify_slots=1) -> EmbeddedServer (.url, .proc, .stop() -> exit code, .log());
+                         stopped at the end of the test
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+# Small context and few slots: a fast start and a small KV cache; ngram drafting so acceptance moves.
+SESSION_SERVER_FLAGS = {"drafter": "ngram", "draft_length": 4, "verify_slots": 4, "max_seq_len": 1024}
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(port: int, flags: dict) -> list[str]:
+    argv = [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port)]
+    for name, value in flags.items():
+        if value is not None:
+            value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+class EmbeddedServer:
+    """`autotune serve` in its own process group, its output in a temporary log file."""
+
+    def __init__(self, **flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="autotune-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(serve_argv(self.port, flags), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self):
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"autotune serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"autotune serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM to the process group (SIGKILL if it hangs); the server's exit code."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        with open(self._log.name, errors="replace") as f:
+            return f.read()
+
+
+@pytest.fixture(scope="session")
+def embedded_server():
+    server = EmbeddedServer(**SESSION_SERVER_FLAGS)
+    yield server.url
+    server.stop()
+    os.unlink(server._log.name)
+
+
+@pytest.fixture
+def start_embedded_server():
+    servers = []
+
+    def start(**flags) -> EmbeddedServer:
+        servers.append(EmbeddedServer(**flags))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+        os.unlink(server._log.name)

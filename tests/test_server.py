@@ -1,0 +1,312 @@
+"""The embedded engine's HTTP server, live: `autotune serve` with the real engine, over HTTP."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from autotune.embedded.openai_api import StopStrings
+
+CODE_PROMPT = "def fibonacci(n):"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def sse_payloads(response: httpx.Response) -> list[dict]:
+    """The JSON payloads of an SSE stream, checking it ends with `data: [DONE]`."""
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def streamed(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body | {"stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_payloads(response)
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {name: float(value) for name, value in
+            (line.split() for line in response.text.splitlines() if line and not line.startswith("#"))}
+
+
+def wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape(client)
+        if metrics["autotune_requests_running"] == 0 and metrics["autotune_requests_waiting"] == 0:
+            return metrics
+        assert time.monotonic() < deadline, f"engine still busy: {metrics}"
+        time.sleep(0.05)
+
+
+def check_usage(usage: dict, max_tokens: int):
+    """An ignore_eos request that ran to max_tokens: counts add up and spec stats agree with them."""
+    assert usage["completion_tokens"] == max_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    steps, accepted = usage["spec_verify_steps"], usage["spec_accepted_tokens"]
+    assert steps + accepted == usage["completion_tokens"]  # each verify step yields accepted + 1 tokens
+    assert 0 <= accepted <= usage["spec_draft_tokens"]
+    assert usage["accept_length"] == pytest.approx((accepted + steps) / steps)
+    assert usage["accept_rate"] == pytest.approx(accepted / usage["spec_draft_tokens"] if usage["spec_draft_tokens"] else 0)
+    assert usage["prompt_entropy"] is None or usage["prompt_entropy"] >= 0
+
+
+@pytest.fixture(scope="module")
+def client(embedded_server):
+    with httpx.Client(base_url=embedded_server, timeout=120) as c:
+        yield c
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json()["status"] == "ok"
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and len(models["data"]) == 1
+    assert models["data"][0]["max_model_len"] == 1024
+
+
+def test_completion_stream_equals_non_stream(client):
+    body = {"prompt": [504, 28120, 30, 24987, 28, 94, 3138], "max_tokens": 12, "ignore_eos": True}  # token ids
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion"
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    assert whole["usage"]["prompt_tokens"] == len(body["prompt"])
+    check_usage(whole["usage"], 12)
+
+    chunks = streamed(client, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+    usage = chunks[-1]["usage"]
+    check_usage(usage, 12)
+    assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+def test_chat_stream_equals_non_stream(client):
+    body = {"messages": CHAT, "max_tokens": 10, "ignore_eos": True}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["object"] == "chat.completion"
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    check_usage(whole["usage"], 10)
+
+    chunks = streamed(client, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == message["content"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    check_usage(chunks[-1]["usage"], 10)
+    # Without include_usage there is no usage chunk and no usage key.
+    plain = streamed(client, "/v1/chat/completions", body | {"max_tokens": 2})
+    assert all("usage" not in c and c["choices"] for c in plain)
+
+
+def test_metrics_count_requests_and_tokens(client):
+    before = wait_idle(client)
+    a = client.post("/v1/completions", json={"prompt": CODE_PROMPT, "max_tokens": 6, "ignore_eos": True}).json()
+    chunks = streamed(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "ignore_eos": True,
+                                                       "stream_options": {"include_usage": True}})
+    usages = [a["usage"], chunks[-1]["usage"]]
+    after = wait_idle(client)
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["autotune_requests_total"] == 2
+    assert delta["autotune_generation_tokens_total"] == 11
+    assert delta["autotune_prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usages)
+    assert delta["autotune_spec_verify_steps_total"] == sum(u["spec_verify_steps"] for u in usages)
+    assert delta["autotune_spec_draft_tokens_total"] == sum(u["spec_draft_tokens"] for u in usages)
+    assert delta["autotune_spec_accepted_tokens_total"] == sum(u["spec_accepted_tokens"] for u in usages)
+    assert delta["autotune_spec_verify_seconds_total"] > 0
+    steps = after["autotune_spec_verify_steps_total"]
+    assert after["autotune_spec_accept_length"] == pytest.approx(after["autotune_generation_tokens_total"] / steps)
+    assert 0 <= after["autotune_spec_accept_rate"] <= 1
+
+
+def test_stop_string_cuts_the_text(client):
+    body = {"prompt": CODE_PROMPT, "max_tokens": 16, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    cut = client.post("/v1/completions", json=body | {"stop": [stop, "never appears"]}).json()
+    assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (expected, "stop")
+    assert cut["usage"]["completion_tokens"] < 16
+    chunks = streamed(client, "/v1/completions", body | {"stop": stop})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_strings_hold_back_partial_matches():
+    stops = StopStrings(["END", "xyz"])
+    assert stops.feed("abc E") == "abc "  # "E" may start "END"
+    assert stops.feed("N") == ""
+    assert stops.feed("X and") == "ENX and"
+    assert stops.feed(" x") == " "
+    assert stops.feed("yz tail") == "" and stops.stopped
+    assert stops.feed("more") == "" and stops.flush() == ""
+    unfinished = StopStrings(["END"])
+    assert unfinished.feed("the EN") == "the " and unfinished.flush() == "EN"
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", ', "not valid JSON"),
+    ("/v1/completions", b'["hi"]', "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "gpt-4"),
+    ("/v1/completions", {"prompt": list(range(1100))}, "context"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n=1"),
+    ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "draft_length": 99}, "draft_length"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/v1/completions", {"prompt": [1, 10**9]}, "token ids"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "content"),
+]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(client):
+    for path, body, phrase in BAD_REQUESTS:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and phrase in error["message"], (body, error)
+    good = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_max_tokens_is_capped_by_the_context(client):
+    prompt = list(range(100, 100 + 1020))  # 1024-token context: room for 4
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 50, "ignore_eos": True})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_client_disconnect_frees_the_slot(client, embedded_server):
+    before = wait_idle(client)
+    body = {"prompt": CODE_PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # one token arrived: hang up
+    with httpx.Client(base_url=embedded_server, timeout=1.0) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 500, "ignore_eos": True})
+    after = wait_idle(client, timeout=10)
+    assert after["autotune_requests_total"] - before["autotune_requests_total"] == 2
+    # Both were cancelled long before their 500 tokens.
+    assert after["autotune_generation_tokens_total"] - before["autotune_generation_tokens_total"] < 500
+
+
+def test_overload_queues_requests(client):
+    before = wait_idle(client)
+    results = []
+
+    def ask(i: int):
+        body = {"prompt": f"{i} + {i} =", "max_tokens": 3, "ignore_eos": True}
+        results.append(httpx.post(f"{client.base_url}/v1/completions", json=body, timeout=120))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(7)]  # the server has 4 slots
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200] * 7
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in results)
+    after = wait_idle(client)
+    assert after["autotune_generation_tokens_total"] - before["autotune_generation_tokens_total"] == 21
+
+
+def test_runtime_knobs_round_trip(client):
+    original = client.get("/admin/runtime").json()
+    assert set(original) >= {"draft_length", "draft_policy", "ngram_min", "ngram_max"}
+    try:
+        updated = client.post("/admin/runtime", json={"draft_length": 1}).json()
+        assert updated == original | {"draft_length": 1}
+        assert client.get("/admin/runtime").json() == updated
+        usage = client.post("/v1/completions", json={"prompt": CODE_PROMPT * 3, "max_tokens": 8,
+                                                     "ignore_eos": True}).json()["usage"]
+        assert usage["spec_draft_tokens"] <= usage["spec_verify_steps"]  # k = 1 now
+        for bad in ({"draft_length": -1}, {"draft_length": "4"}, {"draft_policy": "magic"}, {"warp_speed": 9},
+                    {"ngram_min": 5, "ngram_max": 2}, ["draft_length", 4]):
+            response = client.post("/admin/runtime", json=bad)
+            assert response.status_code == 400 and response.json()["error"]["message"], bad
+        assert client.post("/admin/runtime", content=b"{oops").status_code == 400
+        assert client.get("/admin/runtime").json() == updated  # a refused update changes nothing
+    finally:
+        client.post("/admin/runtime", json=original)
+    assert client.get("/admin/runtime").json() == original
+
+
+def test_openai_client(embedded_server):
+    api = openai.OpenAI(base_url=f"{embedded_server}/v1", api_key="unused", max_retries=0)
+    model = api.models.list().data[0].id
+    extra = {"ignore_eos": True}
+    chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=6, extra_body=extra)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 6
+    stream = api.chat.completions.create(model=model, messages=CHAT, max_tokens=6, extra_body=extra, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+
+    text = api.completions.create(model=model, prompt=CODE_PROMPT, max_tokens=6, extra_body=extra)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 6
+    parts = api.completions.create(model=model, prompt=CODE_PROMPT, max_tokens=6, extra_body=extra, stream=True)
+    assert "".join(c.choices[0].text for c in parts) == text.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.completions.create(model=model, prompt=CODE_PROMPT, temperature=5)
+
+
+@pytest.mark.slow
+def test_sigterm_aborts_in_flight_and_exits_0(start_embedded_server):
+    server = start_embedded_server(drafter="none", verify_slots=1, max_seq_len=256)
+    payloads, first_token = [], threading.Event()
+
+    def consume():
+        body = {"prompt": CODE_PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    payloads.append(line)
+                    first_token.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert first_token.wait(60)
+    started = time.monotonic()
+    assert server.stop() == 0, server.log()[-2000:]
+    assert time.monotonic() - started < 15
+    reader.join(10)
+    assert payloads[-1] == "data: [DONE]"
+    assert json.loads(payloads[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.slow
+def test_serve_rejects_bad_flags_in_one_line():
+    for flags, phrase in ((["--drafter", "bogus"], "drafter"), (["--cuda-graph-batch-sizes", "1,x"], "cuda-graph"),
+                          (["--model", "/nonexistent/model.gguf"], "does not exist"), (["--port", "0"], "port")):
+        done = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *flags], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2, (flags, done.stderr)
+        assert done.stderr.count("\n") == 1 and phrase in done.stderr and done.stderr.startswith("error:"), done.stderr
