@@ -1,0 +1,366 @@
+"""The benchmark harness: workloads, SLOs, metric arithmetic, Prometheus parsing, and live runs over HTTP."""
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from autotune.bench import load_workload, parse_slo, run_benchmark, shipped_workloads
+from autotune.bench.client import RequestRecord
+from autotune.bench.metrics import requests_frame, summarize
+from autotune.bench.resources import ResourceSampler
+from autotune.bench.server_metrics import acceptance, parse_prometheus, scrape
+from autotune.bench.workloads import Workload, prompt_text, with_api
+from autotune.cli import app
+
+# -- workloads ---------------------------------------------------------------------------------------
+
+
+def test_shipped_sets_load_with_their_own_lengths_and_sampling():
+    assert set(shipped_workloads()) >= {"code", "chat", "long-prefill", "repetitive", "mixed"}
+    for name in shipped_workloads():
+        w = load_workload(name)
+        assert len(w.requests) >= 16 and all(r["api"] in ("chat", "completions") for r in w.requests)
+        assert all(8 <= r["max_tokens"] <= 128 for r in w.requests)
+        assert w.describe()["requests"] == len(w.requests)
+    # long-prefill: 1.5k+ tokens is > 4.5k characters of code for this tokenizer (~3.5 chars/token)
+    assert min(len(prompt_text(r)) for r in load_workload("long-prefill").requests) > 2500
+    assert len(load_workload("mixed").describe()["temperatures"]) >= 3
+
+
+def test_code_set_is_real_stdlib_source():
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = "".join(p.read_text(encoding="utf-8") for p in [stdlib / "textwrap.py", stdlib / "difflib.py",
+                                                              stdlib / "shlex.py", stdlib / "heapq.py"])
+    completions = [r["prompt"] for r in load_workload("code").requests if r["api"] == "completions"]
+    # every completion prompt starts with a def line found verbatim in the interpreter's Lib/
+    first_lines = [p.splitlines()[0] for p in completions]
+    assert all(line.startswith("def ") for line in first_lines)
+    assert any(line in sources for line in first_lines)
+
+
+def test_seed_orders_the_workload_deterministically():
+    a, b, c = load_workload("chat", seed=1), load_workload("chat", seed=1), load_workload("chat", seed=2)
+    assert a.requests == b.requests and a.requests != c.requests
+    assert sorted(map(json.dumps, a.requests)) == sorted(map(json.dumps, c.requests))
+
+
+def test_user_jsonl_and_sharegpt(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False})
+                    + "\n\n" + json.dumps({"prompt": "def f(", "temperature": 0.5}) + "\n")
+    w = load_workload(str(good))
+    assert w.name == "mine" and sorted(r["api"] for r in w.requests) == ["chat", "completions"]
+    assert all("stream" not in r for r in w.requests)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        load_workload(str(bad))
+    bad.write_text(json.dumps({"api": "chat", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="needs 'messages'"):
+        load_workload(str(bad))
+    share = tmp_path / "sg.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Tell me a story"},
+                                                    {"from": "gpt", "value": "x" * 400}]},
+                                 {"conversations": [{"from": "human", "value": "only a prompt"}]}]))
+    w = load_workload(str(share))
+    assert len(w.requests) == 1 and w.requests[0]["max_tokens"] == 100
+    assert w.requests[0]["messages"][0]["content"] == "Tell me a story"
+    with pytest.raises(ValueError, match="neither a file nor a shipped set"):
+        load_workload("no-such-set")
+
+
+def test_api_conversion_keeps_the_text():
+    w = Workload("t", [{"api": "chat", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 3},
+                       {"api": "completions", "prompt": "def f(", "max_tokens": 3}])
+    assert [r["prompt"] for r in with_api(w, "completions").requests] == ["abc", "def f("]
+    assert [r["messages"][0]["content"] for r in with_api(w, "chat").requests] == ["abc", "def f("]
+
+
+# -- SLO ---------------------------------------------------------------------------------------------
+
+
+def test_slo_parses_once_and_checks_a_summary():
+    slo = parse_slo("p95_ttft_ms<500; p95_itl_ms<=40; accept_length>1.5; error_rate<0.01")
+    assert [t.summary_key for t in slo.terms] == ["ttft_ms_p95", "itl_ms_p95", "accept_length", "error_rate"]
+    ok = {"ttft_ms_p95": 499.0, "itl_ms_p95": 40.0, "accept_length": 1.6, "error_rate": 0.0}
+    assert slo.check(ok) == []
+    bad = dict(ok, ttft_ms_p95=500.0, accept_length=None)
+    violations = slo.check(bad)
+    assert len(violations) == 2 and "p95_ttft_ms<500" in violations[0] and "not measured" in violations[1]
+    assert parse_slo("ttft_ms_p95 < 2e3").terms[0].metric == "p95_ttft_ms"  # the summary's own key works too
+
+
+@pytest.mark.parametrize("text, bad_part", [("p95_ttft_ms<500; p95_tft_ms<3", "p95_tft_ms"),
+                                            ("p95_ttft_ms=500", "p95_ttft_ms=500"),
+                                            ("accept_length>fast", "accept_length>fast"), (" ; ", "empty")])
+def test_malformed_slo_names_the_bad_part_and_the_known_metrics(text, bad_part):
+    with pytest.raises(ValueError) as e:
+        parse_slo(text)
+    assert bad_part in str(e.value) and "p99_itl_ms" in str(e.value) and "error_rate" in str(e.value)
+
+
+# -- metric arithmetic on hand-made timestamps -------------------------------------------------------
+
+
+def record(index, start, chunks, tokens=None, usage_tokens=None, error=None, **usage):
+    rec = RequestRecord(index=index, api="chat", start_s=start)
+    if error:
+        rec.error_kind, rec.error = error, "boom"
+        return rec
+    rec.chunk_times_s = chunks
+    rec.chunk_tokens = tokens or [1] * len(chunks)
+    rec.ttft_s, rec.e2e_s = chunks[0], chunks[-1] + 0.001
+    rec.finish_reason = "length"
+    rec.usage = {"prompt_tokens": 10, **usage}
+    if usage_tokens is not None:
+        rec.usage["completion_tokens"] = usage_tokens
+    return rec
+
+
+def test_metrics_from_timestamps():
+    # request 0: 5 tokens, one chunk each, 0.1 s apart after a 0.2 s TTFT
+    # request 1: 5 tokens in 3 chunks (1 + 2 + 2) as speculative decoding streams them
+    records = [record(0, 0.0, [0.2, 0.3, 0.4, 0.5, 0.6], usage_tokens=5),
+               record(1, 0.5, [0.4, 0.8, 1.2], tokens=[1, 2, 2], usage_tokens=5, spec_verify_steps=2,
+                      spec_draft_tokens=8, spec_accepted_tokens=2),
+               record(2, 1.0, [], error="connect"), record(3, 1.1, [], error="stream_broken")]
+    frame = requests_frame(records)
+    s = summarize(frame, duration_s=2.0, slo=parse_slo("p50_ttft_ms<300; p99_tpot_ms<150"))
+    assert (s["completed"], s["failed"], s["error_rate"]) == (2, 2, 0.5)
+    assert s["errors_by_kind"] == {"connect": 1, "stream_broken": 1}
+    assert s["output_tok_s"] == pytest.approx(10 / 2.0) and s["request_throughput"] == pytest.approx(1.0)
+    r0, r1 = frame.iloc[0], frame.iloc[1]
+    assert r0["ttft_ms"] == pytest.approx(200) and r0["e2e_ms"] == pytest.approx(601)
+    assert r0["tpot_ms"] == pytest.approx((601 - 200) / 4)
+    assert r0["decode_tok_s"] == pytest.approx(4 / 0.401)
+    assert r0["itl_ms"] == pytest.approx([100, 100, 100, 100])
+    assert r1["itl_ms"] == pytest.approx([200, 200, 200, 200])  # a 2-token chunk after 0.4 s: two gaps of 0.2 s
+    assert s["ttft_ms_mean"] == pytest.approx(300) and s["ttft_ms_p50"] == pytest.approx(300)
+    assert s["ttft_ms_p99"] == pytest.approx(200 + 200 * 0.99)  # numpy linear interpolation, as vLLM/SGLang
+    assert s["itl_ms_p50"] == pytest.approx(150) and s["itl_ms_mean"] == pytest.approx(150)
+    # accept length: tokens per verify step = 1 + accepted / steps, only over requests that report it
+    assert s["accept_length"] == pytest.approx(2.0) and s["accept_rate"] == pytest.approx(0.25)
+    # goodput: request 0 meets TTFT<300 and TPOT<150 (100.25); request 1's TTFT 400 misses
+    assert s["goodput"] == pytest.approx(1 / 2.0)
+    assert summarize(frame, 2.0)["goodput"] is None
+
+
+def test_token_counts_fall_back_to_chunks_without_usage():
+    frame = requests_frame([record(0, 0.0, [0.1, 0.2, 0.3], tokens=[1, 3, 1])])
+    assert frame.iloc[0]["output_tokens"] == 5 and not frame.iloc[0]["tokens_from_usage"]
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+VLLM_TEXT = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 40.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 60.0
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 300.0
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 150.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 90.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 12.0
+vllm:e2e_request_latency_seconds_sum{model_name="m"} 3.5e+00 1712345678000
+"""
+SGLANG_TEXT = """\
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="qwen/Qwen2.5-7B",engine_type="unified",tp_rank="0"} 2.73
+sglang:spec_accept_rate{model_name="qwen/Qwen2.5-7B",engine_type="unified",tp_rank="0"} NaN
+"""
+
+
+def test_prometheus_text_and_acceptance_deltas():
+    after = parse_prometheus(VLLM_TEXT)
+    assert after["vllm:spec_decode_num_drafts_total"] == 100.0  # summed over engines
+    assert after["vllm:time_to_first_token_seconds_bucket"] == 12.0
+    assert after["vllm:e2e_request_latency_seconds_sum"] == 3.5  # sample with a timestamp
+    before = {"vllm:spec_decode_num_drafts_total": 50.0, "vllm:spec_decode_num_draft_tokens_total": 100.0,
+              "vllm:spec_decode_num_accepted_tokens_total": 50.0}
+    acc = acceptance(before, after)
+    assert acc["server_accept_length"] == pytest.approx(1 + 100 / 50) and acc["server_accept_rate"] == 0.5
+    sg = acceptance(None, parse_prometheus(SGLANG_TEXT))
+    assert sg == {"server_accept_length": 2.73, "server_accept_rate": None, "server_metrics_source": "sglang"}
+    assert acceptance(None, None)["server_accept_length"] is None
+
+
+def test_resources_read_proc_and_degrade_without_a_process():
+    with ResourceSampler(os.getpid(), interval_s=0.05) as sampler:
+        ballast = bytearray(64 * 1024 * 1024)
+        time.sleep(0.15)
+    assert sampler.peak_rss_gb is not None and sampler.peak_rss_gb > 64 / 1024
+    del ballast
+    with ResourceSampler(2 ** 22 + 12345) as gone:  # beyond pid_max: no such process
+        pass
+    assert gone.peak_rss_gb is None
+    assert gone.peak_gpu_mem_gb is None or gone.peak_gpu_mem_gb > 0
+
+
+# -- live, against the embedded engine over HTTP -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_live_metrics_are_consistent_with_the_server(embedded_server):
+    before = scrape(embedded_server)
+    result = run_benchmark(embedded_server, "repetitive", concurrency=2, num_requests=4, max_tokens=12,
+                           progress=False, slo="p99_ttft_ms<60000; error_rate<0.5")
+    after = scrape(embedded_server)
+    s, frame = result.summary, result.requests
+    assert (s["completed"], s["failed"]) == (4, 0) and s["slo_ok"]
+    assert frame["tokens_from_usage"].all() and (frame["output_tokens"] == 12).all()  # ignore_eos holds the length
+    # output tokens match the server's own counter over the run
+    generated = after["autotune_generation_tokens_total"] - before["autotune_generation_tokens_total"]
+    assert generated == s["total_output_tokens"] == 48
+    assert (frame["ttft_ms"] <= frame["e2e_ms"]).all() and (frame["chunks"] >= 1).all()
+    for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        values = [s[f"{m}_p{q}"] for q in (50, 90, 95, 99)]
+        assert values == sorted(values) and all(v > 0 for v in values)
+    # accept length from per-request usage equals the one from the server's /metrics counters
+    assert s["accept_source"] == "usage" and s["server_metrics_source"] == "embedded"
+    assert s["accept_length"] == pytest.approx(s["server_accept_length"], rel=1e-9)
+    assert s["accept_rate"] == pytest.approx(s["server_accept_rate"], rel=1e-9)
+    assert s["accept_length"] > 1.0  # ngram drafting on a rewrite-this-text prompt accepts something
+    assert s["prompt_entropy_mean"] is not None and s["prompt_tokens_mean"] > 50
+
+
+@pytest.mark.slow
+def test_live_open_loop_errors_and_timeouts(embedded_server):
+    # Poisson arrivals, all at once (rate=inf), through the completions endpoint
+    result = run_benchmark(embedded_server, "code", rate=float("inf"), num_requests=3, max_tokens=4,
+                           api="completions", progress=False)
+    assert result.summary["completed"] == 3 and (result.requests["api"] == "completions").all()
+    # the server rejects a bad field with 400: counted, not raised
+    bad = run_benchmark(embedded_server, "chat", num_requests=2, extra_body={"temperature": 7}, progress=False)
+    assert bad.summary["errors_by_kind"] == {"http_4xx": 2} and bad.summary["error_rate"] == 1.0
+    # a request longer than its timeout is cut off at the timeout
+    t0 = time.monotonic()
+    slow = run_benchmark(embedded_server, "chat", num_requests=1, max_tokens=96, request_timeout=0.3,
+                         progress=False)
+    assert slow.summary["errors_by_kind"] == {"timeout": 1} and time.monotonic() - t0 < 10
+
+
+@pytest.mark.slow
+def test_killed_server_yields_counted_errors_in_bounded_time(start_embedded_server):
+    server = start_embedded_server(drafter="none", verify_slots=2, max_seq_len=512)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=run_benchmark(
+        server.url, "chat", concurrency=2, num_requests=40, max_tokens=48, request_timeout=30, progress=False,
+        server_pid=server.proc.pid)))
+    t0 = time.monotonic()
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        metrics = scrape(server.url) or {}
+        if metrics.get("autotune_requests_total", 0) >= 3:  # mid-run: requests done and in flight
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run did not end after the server died"
+    s = out["r"].summary
+    assert s["completed"] >= 1 and s["failed"] >= 1 and s["sent"] < 40
+    assert set(s["errors_by_kind"]) <= {"stream_broken", "connect"}
+    assert s["stopped_early"] and "unreachable" in s["stopped_early"]
+    assert s["peak_rss_gb"] and s["peak_rss_gb"] > 0.1  # the server's own RSS, sampled before it died
+    assert time.monotonic() - t0 < 90
+
+
+class _Failing:
+    """A server that answers 503 to everything: a real engine cannot be made to do this on demand."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"overloaded"})
+
+
+def test_http_5xx_is_counted(tmp_path):
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_Failing(), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        result = run_benchmark(f"http://127.0.0.1:{port}/v1", "chat", concurrency=2, num_requests=4,
+                               model="m", progress=False)
+    finally:
+        server.should_exit = True
+        thread.join(5)
+    assert result.summary["errors_by_kind"] == {"http_5xx": 4}
+    assert "overloaded" in result.requests["error"].iloc[0]
+
+
+@pytest.mark.slow
+def test_cli_bench_writes_json_and_parquet(embedded_server, tmp_path):
+    out = tmp_path / "res.json"
+    run = CliRunner().invoke(app, ["bench", "--url", embedded_server, "--workload", "chat", "--sweep", "1,2",
+                                   "--num-requests", "2", "--max-tokens", "4", "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    doc = json.loads(out.read_text())
+    assert [s["concurrency"] for s in doc["sweep"]] == [1, 2]
+    rows = pd.read_parquet(out.with_suffix(".parquet"))
+    assert len(rows) == len(doc["requests"]) == 4 and rows["ok"].all()
+    bad = CliRunner().invoke(app, ["bench", "--url", embedded_server, "--slo", "p95_ttft<5"])
+    assert bad.exit_code == 2 and "unknown SLO metric 'p95_ttft'" in bad.output and "Traceback" not in bad.output
+
+
+# -- a peer client in the same run ------------------------------------------------------------------
+
+
+async def _openai_timing(url: str, request: dict, model: str) -> tuple[float, int]:
+    """TTFT (s) and completion tokens of one request, timed with the official openai client."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none")
+    body = {k: v for k, v in request.items() if k not in ("api", "messages")}
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(model=model, messages=request["messages"], stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}, **body)
+    ttft, tokens = None, None
+    async for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = time.perf_counter() - t0
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    await client.close()
+    return ttft, tokens
+
+
+@pytest.mark.slow
+def test_openai_client_agrees_on_tokens_and_ttft(embedded_server):
+    requests = [dict(r, max_tokens=6) for r in load_workload("chat").requests[:4]]
+    model = httpx.get(embedded_server + "/v1/models").json()["data"][0]["id"]
+    ours, theirs = [], []
+    for r in requests:  # interleaved, so both clients see the same machine load
+        frame = run_benchmark(embedded_server, Workload("one", [r]), num_requests=1, progress=False).requests
+        ours.append((frame["ttft_ms"].iloc[0] / 1000, frame["output_tokens"].iloc[0]))
+        theirs.append(asyncio.run(_openai_timing(embedded_server, r, model)))
+    assert [t for _, t in ours] == [t for _, t in theirs] == [6] * 4
+    ratio = statistics.median(o for o, _ in ours) / statistics.median(t for t, _ in theirs)
+    # Same server work timed by two clients; only client overhead (< 1 ms) and the other engineers' load on
+    # two cores separate them. A bias in what TTFT means (e.g. stamping the role-only first chunk) would be
+    # the whole decode of a token or more; 35% catches that and tolerates the noise.
+    assert 0.65 < ratio < 1.35, (ours, theirs)
