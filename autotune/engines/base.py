@@ -1,0 +1,202 @@
+"""What the SGLang and vLLM adapters share: their captured flag schema, argv checks against it (and
+against the installed engine's own parser), and rewriting flags that were renamed."""
+import difflib
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCHEMA_DIR = Path(__file__).parent / "schemas"
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
+_SUFFIXED_INT = re.compile(r"^\d+(\.\d+)?(k|K|M|G|T|Ki|Mi|Gi|Ti)?$")
+
+
+def flag(name: str) -> str:
+    """tp_size -> --tp-size"""
+    return "--" + name.replace("_", "-")
+
+
+def is_flag(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _NUMBER.match(token)
+
+
+@functools.cache
+def load_schema(engine: str, version: str) -> dict:
+    schema = json.loads((SCHEMA_DIR / f"{engine}-{version}.json").read_text())
+    schema["by_flag"] = {f: o for o in schema["options"] for f in o["flags"]}
+    schema["renamed"] = {r["old"]: r for r in schema["renames"]}
+    return schema
+
+
+def _value_problem(value: str, option: dict) -> str | None:
+    kind = option["type"]
+    if option["optional"] and value in ("", "None"):
+        return None
+    try:
+        if kind == "int":
+            int(value)
+        elif kind == "float":
+            float(value)
+        elif kind == "json":
+            json.loads(value)
+        elif kind in ("int_suffix", "int_suffix_or_auto"):
+            if not (_SUFFIXED_INT.match(value) or (kind == "int_suffix_or_auto" and value == "auto")):
+                raise ValueError
+    except ValueError:
+        return f"{option['flags'][0]} takes {'a JSON value' if kind == 'json' else 'an ' + kind.split('_')[0]}, got {value!r}"
+    if option["choices"] is not None and value not in [str(c) for c in option["choices"]]:
+        return f"{option['flags'][0]} must be one of {', '.join(map(str, option['choices']))}; got {value!r}"
+    return None
+
+
+def _arity(nargs) -> tuple[int, int]:
+    return {None: (1, 1), 0: (0, 0), "?": (0, 1), "+": (1, 10**9), "*": (0, 10**9)}.get(nargs, (nargs, nargs))
+
+
+def schema_errors(args: list[str], schema: dict) -> list[str]:
+    """Every flag known, every value of the right type and choice, the right number of values."""
+    label = f"{schema['engine']} {schema['version']}"
+    errors, i = [], 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not is_flag(token):
+            errors.append(f"{token!r} is not a flag and follows no flag that takes it")
+            continue
+        name, eq, inline = token.partition("=")
+        values = [inline] if eq else []
+        if not eq:
+            while i < len(args) and not is_flag(args[i]):
+                values.append(args[i])
+                i += 1
+        option = schema["by_flag"].get(name)
+        if option is None and "." in name and schema["by_flag"].get(name.split(".")[0], {}).get("type") == "json":
+            continue  # vLLM's --compilation-config.mode 3: one key of a JSON option
+        if option is None:
+            rename = schema["renamed"].get(name)
+            if rename is not None:
+                errors.append(f"{name} does not exist in {label}: {rename['note']}")
+            else:
+                close = difflib.get_close_matches(name, schema["by_flag"], n=1)
+                errors.append(f"unknown flag {name} for {label}" + (f" (did you mean {close[0]}?)" if close else ""))
+            continue
+        low, high = _arity(option["nargs"])
+        if not low <= len(values) <= high:
+            want = "no value" if high == 0 else "one value" if high == 1 else f"at least {low} values"
+            errors.append(f"{name} takes {want}, got {len(values)}: {' '.join(values)}".rstrip(": "))
+            continue
+        errors += [p for p in (_value_problem(v, option) for v in values) if p]
+    return errors
+
+
+def engine_parser_errors(engine: str, args: list[str], timeout_s: float = 180.0) -> list[str] | None:
+    """The installed engine's own verdict on args (None when the engine is not installed here)."""
+    if importlib.util.find_spec(engine) is None:
+        return None
+    proc = subprocess.run([sys.executable, "-m", "autotune.engines.real_parser", engine, *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"{engine}'s parser could not be run: {last}"]
+
+
+def translate_renamed(args: list[str], schema: dict) -> tuple[list[str], list[str]]:
+    """Rewrite flags of older versions to this one's; (new args, one note per rewrite)."""
+    out, notes, merged = [], [], {}  # merged: JSON option -> {key: value} gathered from old flags
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        name, eq, inline = token.partition("=")
+        values = [inline] if eq else []
+        if not eq:
+            while i < len(args) and not is_flag(args[i]):
+                values.append(args[i])
+                i += 1
+        rename = schema["renamed"].get(name) if is_flag(token) else None
+        if rename is None:
+            out += [token] if eq else [token, *values]
+            continue
+        notes.append(f"{name}: {rename['note']}")
+        if "into" in rename:
+            value = values[0] if values else "true"
+            merged.setdefault(rename["into"], {})[rename["key"]] = json.loads(value) if _NUMBER.match(value) else value
+        for new in rename.get("new", []):
+            out += [new, *([rename["value"]] if "value" in rename else values)]
+    for option, keys in merged.items():
+        if keys.get("model") == "[ngram]":  # how vLLM < 0.9 spelled prompt-lookup decoding
+            del keys["model"]
+            keys["method"] = "ngram"
+        out += [option, json.dumps(keys)]
+    return out, notes
+
+
+def config_args(config: dict, schema: dict) -> list[str]:
+    """{tp_size: 2, enable_torch_compile: True, cuda_graph_bs_decode: [1, 2]} -> engine flags.
+
+    Keys are the engine's option names (dests); None and "none" mean the flag is left out.
+    """
+    by_dest = {o["dest"]: o for o in schema["options"]}
+    args = []
+    for key, value in config.items():
+        option = by_dest.get(key)
+        if option is None:
+            raise ValueError(f"{key} is not a {schema['engine']} {schema['version']} option")
+        if value is None or value == "none":
+            continue
+        if option["type"] == "flag":  # store_true, or a --x/--no-x pair
+            if value:
+                args.append(option["flags"][0])
+            elif option["default"] is not False and len(option["flags"]) > 1:
+                args.append(option["flags"][1])
+        elif isinstance(value, (list, tuple)):
+            args += [option["flags"][0], *map(str, value)]
+        else:
+            args += [option["flags"][0], json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args
+
+
+class EngineAdapter:
+    """Config dict -> how to launch the engine, and what it would really run. See the engine modules."""
+
+    name = ""
+    version = ""  # of the captured flag schema
+    runtime_params: frozenset[str] = frozenset()
+    entry: list[str] = []  # argv before the engine's own arguments, e.g. [python, -m, module]
+
+    def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str, port: int,
+                extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    def health_url(self, base_url: str) -> str:
+        return base_url.rstrip("/") + "/health"
+
+    def check(self, config: dict, hardware=None, *, has_draft_model: bool | None = None) -> list[str]:
+        return []
+
+    def effective(self, config: dict) -> dict:
+        return dict(config)
+
+    def engine_args(self, argv: list[str]) -> list[str]:
+        """argv without the entry prefix (the adapter's own command() output is accepted as is)."""
+        return list(argv[len(self.entry):]) if list(argv[:len(self.entry)]) == self.entry else list(argv)
+
+    def validate_flags(self, argv: list[str]) -> list[str]:
+        args = self.engine_args(argv)
+        errors = schema_errors(args, load_schema(self.name, self.version))
+        if not errors:
+            errors = engine_parser_errors(self.name, args) or []
+        return errors
+
+    def apply_runtime(self, base_url: str, runtime: dict) -> None:
+        raise NotImplementedError(f"{self.name} cannot change settings on a running server; relaunch it")
+
+    def translate_renamed(self, argv: list[str]) -> tuple[list[str], list[str]]:
+        prefix = argv[:len(argv) - len(self.engine_args(argv))]
+        args, notes = translate_renamed(self.engine_args(argv), load_schema(self.name, self.version))
+        return list(prefix) + args, notes

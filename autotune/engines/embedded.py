@@ -1,0 +1,96 @@
+"""The embedded engine: config -> `python -m autotune.cli serve` argv, its rules, and runtime knobs
+changed on a running server (POST /admin/runtime), so trials that differ only in them need no relaunch.
+
+Config keys are EngineConfig fields (autotune/embedded/config.py); its flags are the same names in
+kebab-case. Metrics are `autotune_*` on /metrics (autotune/embedded/metrics.py).
+"""
+import dataclasses
+import sys
+import types
+
+import httpx
+
+from autotune.embedded import config as engine_config
+from autotune.engines.base import EngineAdapter, schema_errors
+
+CHOICES = {"drafter": engine_config.DRAFTERS, "draft_policy": engine_config.DRAFT_POLICIES,
+           "dtype": engine_config.DTYPES, "quantization": engine_config.QUANTIZATIONS,
+           "compile": engine_config.COMPILE_BACKENDS}
+DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
+DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
+               "draft_model")
+SERVE_ONLY = {"host": str, "port": int, "log_level": str}  # serve flags that are not EngineConfig fields
+
+
+def _schema() -> dict:
+    """EngineConfig's fields as a flag schema, so `autotune serve` argv is checked like the others."""
+    options = []
+    for name, typ in [*((f.name, f.type) for f in dataclasses.fields(engine_config.EngineConfig)), *SERVE_ONLY.items()]:
+        base = [t for t in typ.__args__ if t is not type(None)][0] if isinstance(typ, types.UnionType) else typ
+        options.append({"flags": ["--" + name.replace("_", "-")], "dest": name, "optional": False, "nargs": None,
+                        "type": {int: "int", float: "float"}.get(base, "str"), "choices": CHOICES.get(name)})
+    return {"engine": "embedded", "version": "autotune serve", "options": options, "renamed": {},
+            "by_flag": {o["flags"][0]: o for o in options}}
+
+
+SCHEMA = _schema()
+
+
+class EmbeddedAdapter(EngineAdapter):
+    name = "embedded"
+    runtime_params = frozenset({"draft_length", "draft_policy", "ngram_min", "ngram_max"})
+    entry = [sys.executable, "-m", "autotune.cli", "serve"]
+
+    def command(self, config, *, model, draft_model, host, port, extra_args=()):
+        unknown = set(config) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"not embedded-engine settings: {', '.join(sorted(unknown))}")
+        settings = {**config, "model": model, "draft_model": draft_model}
+        args = []
+        for key, value in settings.items():
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            args += ["--" + key.replace("_", "-"), text]
+        return [*self.entry, *args, "--host", host, "--port", str(port), *extra_args], {}
+
+    def check(self, config, hardware=None, *, has_draft_model=None):
+        c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+        out = [f"{k} must be one of {', '.join(choices)}, got {c[k]!r}"
+               for k, choices in CHOICES.items() if c[k] not in choices]
+        if c["drafter"] == "ngram" and not 1 <= c["ngram_min"] <= c["ngram_max"]:
+            out.append(f"need 1 <= ngram_min <= ngram_max, got {c['ngram_min']}..{c['ngram_max']}")
+        if c["drafter"] == "draft_model" and has_draft_model is False:
+            out.append("drafter draft_model needs a draft model (--draft-model)")
+        if c["draft_policy"] == "estimator" and not c["draft_estimator"]:
+            out.append("draft_policy estimator needs draft_estimator (an estimator.json)")
+        return out
+
+    def effective(self, config):
+        c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+        if c["drafter"] == "none":
+            for key in DRAFT_KNOBS:
+                c[key] = DEFAULTS[key]
+        if c["drafter"] != "ngram":
+            c["ngram_min"], c["ngram_max"] = DEFAULTS["ngram_min"], DEFAULTS["ngram_max"]
+        if c["drafter"] != "early_exit":
+            c["early_exit_layers"] = DEFAULTS["early_exit_layers"]
+        c["cuda_graph_batch_sizes"] = sorted(set(c["cuda_graph_batch_sizes"] or []))
+        return {k: v for k, v in c.items() if v != DEFAULTS[k]}
+
+    def validate_flags(self, argv):
+        return schema_errors(self.engine_args(argv), SCHEMA)
+
+    def translate_renamed(self, argv):
+        return list(argv), []
+
+    def apply_runtime(self, base_url, runtime):
+        if not runtime:
+            return
+        r = httpx.post(base_url.rstrip("/") + "/admin/runtime", json=dict(runtime), timeout=10.0)
+        if r.status_code != 200:
+            try:
+                detail = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                detail = r.text.strip()[:300]
+            raise ValueError(f"runtime settings {runtime} refused: {detail}")

@@ -1,0 +1,94 @@
+"""SGLang 0.5.23: config -> `python -m sglang.launch_server` argv, its cross-flag rules, and the
+settings it would actually run (read from sglang/srt/arg_groups/speculative_hook.py of that version).
+
+Config keys are SGLang's own option names (`tp_size`, `speculative_num_steps`, ...); "none" or None
+leaves a flag out. One key is ours: quantization `w8a16_fp8` = weight-only FP8 through the Marlin
+kernels (`--quantization fp8` with SGLANG_FORCE_FP8_MARLIN=1; what fp8 does by itself on Ampere).
+"""
+import sys
+
+from autotune.engines.base import EngineAdapter, config_args, load_schema
+
+# NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+ALGORITHMS = (*EAGLE_FAMILY, "NGRAM", "DFLASH")
+NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
+TREE_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")  # EAGLE topk > 1 with page_size > 1
+NGRAM_DEFAULT_DRAFT_TOKENS = 12
+SPEC_SHAPE = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def _dp_attention(c: dict) -> bool:
+    return bool(c.get("enable_dp_attention")) or (c.get("attn_dp_size") or 1) > 1
+
+
+class SGLangAdapter(EngineAdapter):
+    name = "sglang"
+    version = "0.5.23"
+    entry = [sys.executable, "-m", "sglang.launch_server"]
+
+    def command(self, config, *, model, draft_model, host, port, extra_args=()):
+        config, env = dict(config), {}
+        if config.get("quantization") == "w8a16_fp8":
+            config["quantization"], env["SGLANG_FORCE_FP8_MARLIN"] = "fp8", "1"
+        if draft_model and config.get("speculative_algorithm") in EAGLE_FAMILY + ("DFLASH",):
+            config.setdefault("speculative_draft_model_path", draft_model)
+        args = config_args(config, load_schema(self.name, self.version))
+        head = (["--model-path", model] if model else []) + ["--host", host, "--port", str(port), "--enable-metrics"]
+        return [*self.entry, *head, *args, *extra_args], env
+
+    def check(self, config, hardware=None, *, has_draft_model=None):
+        c = {k: v for k, v in config.items() if v is not None}
+        algo = c.get("speculative_algorithm", "none")
+        out = []
+        if algo != "none" and algo not in ALGORITHMS:
+            out.append(f"speculative_algorithm {algo!r} is not one of {', '.join(ALGORITHMS)}")
+        given = [k for k in SPEC_SHAPE if k in c]
+        if algo in EAGLE_FAMILY and given and len(given) < 3:
+            out.append("speculative_num_steps, speculative_eagle_topk and speculative_num_draft_tokens must be "
+                       f"set all together or not at all (got only {', '.join(given)})")
+        if algo in EAGLE_FAMILY and len(given) == 3:
+            steps, topk, tokens = (c[k] for k in SPEC_SHAPE)
+            if topk > 1 and steps * topk + 1 < tokens:
+                out.append(f"speculative_num_draft_tokens {tokens} exceeds the draft tree: "
+                           f"steps*topk+1 = {steps}*{topk}+1 = {steps * topk + 1}")
+            if topk > 1 and c.get("attention_backend") == "trtllm_mha":
+                out.append("attention_backend trtllm_mha supports only speculative_eagle_topk 1")
+            if topk > 1 and (c.get("page_size") or 1) > 1 and c.get("attention_backend", "flashinfer") not in (
+                    TREE_ATTENTION_BACKENDS):
+                out.append(f"speculative_eagle_topk > 1 with page_size > 1 needs attention_backend "
+                           f"{' / '.join(TREE_ATTENTION_BACKENDS)}")
+        if algo in ("NGRAM", "STANDALONE") and _dp_attention(c):
+            out.append(f"{algo} speculative decoding does not support dp attention")
+        if algo in NEEDS_DRAFT_MODEL and has_draft_model is False:
+            out.append(f"{algo} needs a draft model (--draft-model); only NEXTN uses the target's own MTP layers")
+        if not (0 < c.get("mem_fraction_static", 0.5) < 1):
+            out.append(f"mem_fraction_static must be between 0 and 1, got {c['mem_fraction_static']}")
+        chunk = c.get("chunked_prefill_size")
+        if chunk is not None and chunk != -1 and chunk < 1:
+            out.append(f"chunked_prefill_size must be positive or -1 (off), got {chunk}")
+        return out
+
+    def effective(self, config):
+        """What SGLang would run: its silent rewrites applied, defaults and inert flags dropped."""
+        defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}
+        c = {k: v for k, v in config.items() if v is not None and v != "none" and v != defaults.get(k)}
+        algo = c.get("speculative_algorithm")
+        if algo is None:
+            c = {k: v for k, v in c.items() if not k.startswith("speculative_")}
+        elif algo in EAGLE_FAMILY:
+            c["speculative_algorithm"] = "EAGLE" if algo == "NEXTN" else algo
+            if c.get("speculative_eagle_topk") == 1 and "speculative_num_steps" in c:
+                c["speculative_num_draft_tokens"] = c["speculative_num_steps"] + 1
+        elif algo == "DFLASH":  # a block of draft tokens, always one step of topk 1
+            c.update(speculative_num_steps=1, speculative_eagle_topk=1)
+        elif algo == "NGRAM":  # steps and topk derive from the BFS breadth and the token count
+            c.setdefault("speculative_num_draft_tokens", NGRAM_DEFAULT_DRAFT_TOKENS)
+            c.pop("speculative_num_steps", None)
+            c.pop("speculative_eagle_topk", None)
+        if not c.get("enable_torch_compile"):
+            c.pop("torch_compile_max_bs", None)
+        for key in ("cuda_graph_bs_decode", "cuda_graph_bs_prefill"):
+            if key in c:
+                c[key] = sorted(set(c[key]))
+        return c

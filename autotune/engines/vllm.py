@@ -1,0 +1,91 @@
+"""vLLM 0.33.0: config -> `python -m vllm.entrypoints.cli.main serve` argv, its cross-flag rules,
+and the settings it would actually run (read from vllm/config/{speculative,scheduler,vllm}.py).
+
+Config keys are vLLM's option names (`max_num_seqs`, `cudagraph_capture_sizes`, ...), except the
+speculative ones, which are keys of its `--speculative-config` JSON: `speculative_method`
+(none | ngram | draft_model | eagle | eagle3 | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
+`prompt_lookup_max`. Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`:
+vLLM picks Marlin by itself on Ampere, where it is the only FP8 path).
+"""
+import sys
+
+from autotune.engines.base import EngineAdapter, config_args, load_schema
+
+SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3")
+NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
+
+
+class VLLMAdapter(EngineAdapter):
+    name = "vllm"
+    version = "0.33.0"
+    entry = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+
+    def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
+        method = config.get("speculative_method")
+        if method in (None, "none"):
+            return None
+        spec = {"method": method}
+        if draft_model and method in NEEDS_DRAFT_MODEL:
+            spec["model"] = draft_model
+        for key in SPEC_KEYS[1:]:
+            if config.get(key) is not None and (method == "ngram" or not key.startswith("prompt_lookup")):
+                spec[key] = config[key]
+        return spec
+
+    def command(self, config, *, model, draft_model, host, port, extra_args=()):
+        flags = {k: v for k, v in config.items() if k not in SPEC_KEYS}
+        if flags.get("quantization") == "w8a16_fp8":
+            flags["quantization"] = "fp8"
+        spec = self.speculative_config(config, draft_model)
+        if spec is not None:
+            flags["speculative_config"] = spec
+        args = config_args(flags, load_schema(self.name, self.version))
+        head = (["--model", model] if model else []) + ["--host", host, "--port", str(port)]
+        return [*self.entry, *head, *args, *extra_args], {}
+
+    def check(self, config, hardware=None, *, has_draft_model=None):
+        c = {k: v for k, v in config.items() if v is not None}
+        method = c.get("speculative_method", "none")
+        out = []
+        if method != "none" and method not in METHODS:
+            out.append(f"speculative_method {method!r} is not one of {', '.join(METHODS)}")
+        if method in ("ngram", "draft_model", "eagle", "eagle3") and not c.get("num_speculative_tokens"):
+            out.append(f"speculative method {method} needs num_speculative_tokens >= 1")
+        if method == "ngram" and c.get("prompt_lookup_min", 0) > c.get("prompt_lookup_max", 10**9):
+            out.append(f"prompt_lookup_min {c['prompt_lookup_min']} must be <= prompt_lookup_max {c['prompt_lookup_max']}")
+        if method in NEEDS_DRAFT_MODEL and has_draft_model is False:
+            out.append(f"speculative method {method} needs a draft model (--draft-model); mtp uses the target's own")
+        tokens, seqs = c.get("max_num_batched_tokens"), c.get("max_num_seqs")
+        if tokens is not None and seqs is not None and tokens < seqs:
+            out.append(f"max_num_batched_tokens {tokens} must be >= max_num_seqs {seqs}")
+        sizes, top = c.get("cudagraph_capture_sizes"), c.get("max_cudagraph_capture_size")
+        if sizes and top is not None and max(sizes) != top:
+            out.append(f"max_cudagraph_capture_size {top} must equal the largest cudagraph_capture_sizes {max(sizes)}")
+        if not (0 < c.get("gpu_memory_utilization", 0.5) <= 1):
+            out.append(f"gpu_memory_utilization must be in (0, 1], got {c['gpu_memory_utilization']}")
+        return out
+
+    def effective(self, config):
+        """What vLLM would run: speculative defaults filled in, defaults and inert flags dropped."""
+        defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}
+        c = {k: v for k, v in config.items() if v is not None and v != "none" and v != defaults.get(k)}
+        method = c.get("speculative_method")
+        if method is None:
+            c = {k: v for k, v in c.items() if k not in SPEC_KEYS}
+        elif method == "ngram":  # one bound given: the other takes its value
+            low, high = c.get("prompt_lookup_min"), c.get("prompt_lookup_max")
+            c["prompt_lookup_min"] = low or high or NGRAM_DEFAULT_LOOKUP
+            c["prompt_lookup_max"] = high or low or NGRAM_DEFAULT_LOOKUP
+        else:
+            c.pop("prompt_lookup_min", None)
+            c.pop("prompt_lookup_max", None)
+        if c.get("enforce_eager"):  # no CUDA graphs are captured at all
+            c.pop("cudagraph_capture_sizes", None)
+            c.pop("max_cudagraph_capture_size", None)
+        if "cudagraph_capture_sizes" in c:
+            tokens = c.get("max_num_batched_tokens")
+            c["cudagraph_capture_sizes"] = sorted({s for s in c["cudagraph_capture_sizes"] if tokens is None or s <= tokens})
+            c.pop("max_cudagraph_capture_size", None)  # equal to the largest size (else check() refuses)
+        return c
