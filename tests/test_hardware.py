@@ -241,3 +241,14 @@ def test_nvml_failing_on_every_query_degrades_to_notes(monkeypatch):
     assert any("no hardware profile matches" in n for n in hw.notes)
     result = CliRunner().invoke(app, ["probe"], env={"COLUMNS": "250"})
     assert result.exit_code == 0 and "none matched" in result.output
+
+
+def test_real_two_h200_capture_has_nvlink_through_nvswitch(tmp_path):
+    hw = classify_from_fixture(FIXTURES / "h200-sxm-2gpu")  # gather()'s own output on 2x H200 SXM
+    assert hw.gpu_count == 2 and hw.profile.name == "h200-sxm"
+    assert all(g.nvlink_active_links == 18 and g.form_factor == "sxm" and g.power_max_w == 700 for g in hw.gpus)
+    assert hw.gpus[0].evidence["power_max_w"] == "NVML nvmlDeviceGetPowerManagementLimitConstraints"
+    assert hw.topology["source"] == "nvidia-smi topo -m" and hw.topology["links"] == [["X", "NV18"], ["NV18", "X"]]
+    evidence = json.loads((FIXTURES / "h200-sxm-2gpu" / "probe.json").read_text())
+    del evidence["nvidia_smi_topo"]  # all 18 links end at NVSwitches: NVML alone must still see NV18
+    assert probe_from_evidence(evidence).topology["links"] == [["X", "NV18"], ["NV18", "X"]]
