@@ -169,9 +169,11 @@ def test_user_profile_dropped_in_a_folder_is_loaded_and_plannable(tmp_path):
     (tmp_path / "l40-custom.yaml").write_text(shipped.replace("memory_gb: 48", "memory_gb: 47"))
     hw = probe("l40-custom", profiles_dir=tmp_path)
     assert hw.profile.name == "l40-custom" and hw.gpus[0].memory_gb == 47 and hw.source.startswith("planned")
-    (tmp_path / "broken.yaml").write_text("description: x\nform_factor: tpu\n")
-    with pytest.raises(ValueError, match="broken.yaml"):
-        load_profiles(tmp_path)
+    for broken in ("description: x\nform_factor: tpu\n", "a: [1,\n", shipped.replace("[43, 46.5]", "43")):
+        (tmp_path / "broken.yaml").write_text(broken)
+        with pytest.raises(ValueError, match="broken.yaml") as error:
+            load_profiles(tmp_path)
+        assert "\n" not in str(error.value)
 
 
 def test_unknown_profile_is_a_one_line_error_listing_the_known_ones():
@@ -246,9 +248,10 @@ def test_nvml_failing_on_every_query_degrades_to_notes(monkeypatch):
 def test_real_two_h200_capture_has_nvlink_through_nvswitch(tmp_path):
     hw = classify_from_fixture(FIXTURES / "h200-sxm-2gpu")  # gather()'s own output on 2x H200 SXM
     assert hw.gpu_count == 2 and hw.profile.name == "h200-sxm"
-    assert all(g.nvlink_active_links == 18 and g.form_factor == "sxm" and g.power_max_w == 700 for g in hw.gpus)
+    assert all((g.nvlink_active_links, g.form_factor, g.power_max_w) == (18, "sxm", 700) for g in hw.gpus)
     assert hw.gpus[0].evidence["power_max_w"] == "NVML nvmlDeviceGetPowerManagementLimitConstraints"
-    assert hw.topology["source"] == "nvidia-smi topo -m" and hw.topology["links"] == [["X", "NV18"], ["NV18", "X"]]
+    assert hw.topology["source"] == "nvidia-smi topo -m"
+    assert hw.topology["links"] == [["X", "NV18"], ["NV18", "X"]]
     evidence = json.loads((FIXTURES / "h200-sxm-2gpu" / "probe.json").read_text())
     del evidence["nvidia_smi_topo"]  # all 18 links end at NVSwitches: NVML alone must still see NV18
     assert probe_from_evidence(evidence).topology["links"] == [["X", "NV18"], ["NV18", "X"]]

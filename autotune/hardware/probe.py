@@ -16,7 +16,7 @@ def probe(gpu: str = "auto", profiles_dir: str | Path | None = None) -> Hardware
     Raises ValueError (one line, listing the known names) for an unknown profile; never for NVML trouble.
     """
     profiles = load_profiles(profiles_dir)
-    if gpu == "auto":
+    if gpu.strip().lower() == "auto":
         return probe_from_evidence(gather(), profiles=profiles, source="measured")
     profile = get_profile(gpu, profiles)
     if not profile.is_gpu:

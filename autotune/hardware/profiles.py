@@ -48,7 +48,10 @@ class Profile:
 
 
 def _load(path: Path) -> Profile:
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a hardware profile must be a YAML mapping")  # noqa: TRY004 - bad input, one-line error
     try:
@@ -64,8 +67,14 @@ def _load(path: Path) -> Profile:
         problems.append(f"peak_tflops has unknown dtypes {sorted(unknown)}")
     if profile.fp8_mode == "native" and "fp8" not in profile.peak_tflops:
         problems.append("fp8_mode native needs a peak_tflops.fp8 entry")
-    if profile.match is not None and not profile.match.get("name_patterns"):
-        problems.append("match needs name_patterns")
+    if profile.match is not None:
+        if not profile.match.get("name_patterns"):
+            problems.append("match needs name_patterns")
+        for key in ("memory_gib", "power_limit_w"):
+            bounds = profile.match.get(key)
+            if bounds is not None and not (isinstance(bounds, list) and len(bounds) == 2
+                                           and all(isinstance(b, (int, float)) for b in bounds)):
+                problems.append(f"match.{key} must be [low, high]")
     if problems:
         raise ValueError(f"{path}: " + "; ".join(problems))
     return profile
