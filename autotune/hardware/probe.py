@@ -29,36 +29,18 @@ def probe(gpu: str = "auto", profiles_dir: str | Path | None = None) -> Hardware
 def planned(profile: Profile) -> Hardware:
     """A machine we do not have, described by its profile alone (for estimates)."""
     why = f"profile {profile.name}"
-    gpu = GpuInfo(
-        index=0,
-        name=profile.description,
-        memory_gb=profile.memory_gb,
-        compute_capability=profile.compute_capability,
-        architecture=profile.architecture,
-        sm_count=profile.sm_count,
-        pcie_gen=(profile.interconnect.get("pcie") or {}).get("generation"),
-        power_limit_w=profile.power_limit_w,
-        power_default_w=profile.power_limit_w,
-        power_max_w=profile.power_limit_w,
-        form_factor=profile.form_factor,
-    )
-    gpu.evidence = {
-        fact: why
-        for fact, value in vars(gpu).items()
-        if value is not None and fact not in ("index", "evidence")
-    }
-    return Hardware(
-        gpus=[gpu],
-        topology=None,
-        driver_version=None,
-        cuda_driver_version=None,
-        nvml_version=None,
-        versions={},
-        cpu=None,
-        profile=profile,
-        source=f"planned from profile {profile.name}",
-        notes=[f"planned machine: nothing measured; GPU facts from {why} ({profile.source_url})"],
-    )
+    gpu = GpuInfo(index=0, name=profile.description, memory_gb=profile.memory_gb,
+                  compute_capability=profile.compute_capability, architecture=profile.architecture,
+                  sm_count=profile.sm_count,
+                  pcie_gen=(profile.interconnect.get("pcie") or {}).get("generation"),
+                  power_limit_w=profile.power_limit_w, power_default_w=profile.power_limit_w,
+                  power_max_w=profile.power_limit_w, form_factor=profile.form_factor)
+    gpu.evidence = {fact: why for fact, value in vars(gpu).items()
+                    if value is not None and fact not in ("index", "evidence")}
+    return Hardware(gpus=[gpu], topology=None, driver_version=None, cuda_driver_version=None,
+                    nvml_version=None, versions={}, cpu=None, profile=profile,
+                    source=f"planned from profile {profile.name}",
+                    notes=[f"planned machine: nothing measured; GPU facts from {why} ({profile.source_url})"])
 
 
 def _text(value) -> str | None:
@@ -78,22 +60,16 @@ def probe_from_evidence(
     topo = topo or _text(evidence.get("nvidia_smi_topo"))
     smi_header, smi_gpus = parse_smi_q(smi_q) if smi_q else ({}, [])
     nvml_devices = [d for d in evidence.get("devices") or [] if isinstance(d, dict)]
-    torch_devices = evidence.get("torch_devices") or (
-        [evidence["torch_props"]] if "torch_props" in evidence else []
-    )
+    # Older captures hold one device's properties as "torch_props".
+    torch_devices = evidence.get("torch_devices") or [evidence[k] for k in ("torch_props",) if k in evidence]
     sources = {"nvml_error": "NVML", "nvidia_smi_error": "nvidia-smi", "torch_error": "torch"}
     notes = [f"{name}: {evidence[key]}" for key, name in sources.items() if evidence.get(key)]
-    notes += [
-        f"nvidia-smi failed: {v['error']}"
-        for v in (evidence.get("nvidia_smi_q"), evidence.get("nvidia_smi_topo"))
-        if isinstance(v, dict) and "error" in v
-    ]
+    smi_answers = evidence.get("nvidia_smi_q"), evidence.get("nvidia_smi_topo")
+    notes += [f"nvidia-smi failed: {v['error']}" for v in smi_answers if isinstance(v, dict) and "error" in v]
 
     count = max(len(nvml_devices), len(smi_gpus), len(torch_devices))
-    gpus = [
-        gpu_facts(i, *(_nth(items, i) for items in (nvml_devices, smi_gpus, torch_devices)))
-        for i in range(count)
-    ]
+    gpus = [gpu_facts(i, _nth(nvml_devices, i), _nth(smi_gpus, i), _nth(torch_devices, i))
+            for i in range(count)]
 
     warnings, profile = [], None
     if gpus:
@@ -101,11 +77,9 @@ def probe_from_evidence(
         profile, why = matches[0]
         notes.append(why)
         if any(p is not profile for p, _ in matches):
-            warnings.append(
-                "the GPUs differ: "
-                + ", ".join(sorted({str(g.name) for g in gpus}))
-                + f"; profile of GPU0 used ({profile.name if profile else 'none'})"
-            )
+            names = ", ".join(sorted({str(g.name) for g in gpus}))
+            used = profile.name if profile else "none"
+            warnings.append(f"the GPUs differ: {names}; GPU0's profile used ({used})")
         for g in gpus:
             _fill_from_profile(g, profile)
             warnings += _gpu_warnings(g)
@@ -122,22 +96,13 @@ def probe_from_evidence(
     topology = parse_topo(topo) if topo else None
     if topology is None and len(nvml_devices) > 1:
         topology = nvml_topology(nvml_devices, evidence.get("nvml_common_ancestor") or [])
-    cuda = evidence.get("cuda_driver_version")
-    return Hardware(
-        gpus=gpus,
-        topology=topology if len(gpus) > 1 else None,
-        driver_version=_text(evidence.get("driver")) or smi_header.get("Driver Version"),
-        cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}"
-        if isinstance(cuda, int)
-        else smi_header.get("CUDA Version"),
-        nvml_version=_text(evidence.get("nvml_version")),
-        versions=_versions(evidence),
-        cpu=cpu,
-        profile=profile,
-        source=source,
-        warnings=warnings,
-        notes=notes,
-    )
+    cuda = evidence.get("cuda_driver_version")  # NVML's 13000 means 13.0
+    cuda = f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else smi_header.get("CUDA Version")
+    return Hardware(gpus=gpus, topology=topology if len(gpus) > 1 else None,
+                    driver_version=_text(evidence.get("driver")) or smi_header.get("Driver Version"),
+                    cuda_driver_version=cuda, nvml_version=_text(evidence.get("nvml_version")),
+                    versions=_versions(evidence), cpu=cpu, profile=profile, source=source,
+                    warnings=warnings, notes=notes)
 
 
 def _nth(items: list[dict], i: int) -> dict:
@@ -174,17 +139,12 @@ def _gpu_warnings(gpu: GpuInfo) -> list[str]:
 
 
 def classify_from_fixture(path: str | Path, profiles: dict[str, Profile] | None = None) -> Hardware:
-    """A fixture folder: probe.json nvidia-smi-q.txt, nvidia-smi-topo.txt; all optional."""
+    """A fixture folder: probe.json (gather()'s dict), nvidia-smi-q.txt, nvidia-smi-topo.txt; all optional."""
     path = Path(path)
 
     def read(name: str) -> str | None:
         return (path / name).read_text() if (path / name).exists() else None
 
     evidence = json.loads(read("probe.json") or "{}")
-    return probe_from_evidence(
-        evidence,
-        read("nvidia-smi-q.txt"),
-        read("nvidia-smi-topo.txt"),
-        profiles=profiles,
-        source=f"fixture {path.name}",
-    )
+    return probe_from_evidence(evidence, read("nvidia-smi-q.txt"), read("nvidia-smi-topo.txt"),
+                               profiles=profiles, source=f"fixture {path.name}")

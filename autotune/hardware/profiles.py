@@ -28,9 +28,8 @@ class Profile:
     fp8_mode: str  # native (cc >= 8.9) | marlin_w8a16 (Ampere: FP8 weights, 16-bit compute) | none
     interconnect: dict  # {"nvlink": {generation, bandwidth_gbps, via: sxm|bridge} | None, "pcie": {..}|None}
     power_limit_w: float | None
-    match: (
-        dict | None
-    )  # name_patterns (regex), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never auto-matched
+    # name_patterns (regexes), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never matched automatically
+    match: dict | None
     also_see: str | None = None
 
     @property
@@ -55,7 +54,7 @@ def _load(path: Path) -> Profile:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a hardware profile must be a YAML mapping")  # noqa: TRY004 - bad input, one-line error
     try:
-        profile = Profile(name=path.stem, **data)
+        profile = Profile(name=path.stem.lower(), **data)
     except TypeError as e:  # missing or unknown field
         raise ValueError(f"{path}: {e}".replace("Profile.__init__() ", "")) from None
     problems = []
@@ -83,7 +82,7 @@ def _load(path: Path) -> Profile:
 def load_profiles(extra_dir: str | Path | None = None) -> dict[str, Profile]:
     """All profiles by name: the shipped ones, then `extra_dir`'s (a same-named file there wins)."""
     dirs = [PROFILES_DIR] + ([Path(extra_dir)] if extra_dir else [])
-    return {p.stem: _load(p) for d in dirs for p in sorted(Path(d).glob("*.yaml"))}
+    return {p.stem.lower(): _load(p) for d in dirs for p in sorted(Path(d).glob("*.yaml"))}
 
 
 def get_profile(name: str, profiles: dict[str, Profile] | None = None) -> Profile:
