@@ -64,13 +64,11 @@ def _nvml_device(pynvml, handle) -> dict:
     links = range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))
     device["nvlink_states"] = [_call(pynvml.nvmlDeviceGetNvLinkState, handle, link) for link in links]
     active = [link for link, state in zip(links, device["nvlink_states"]) if state == 1]
-    device["nvlink_versions"] = [_call(pynvml.nvmlDeviceGetNvLinkVersion, handle, link) for link in active]
     remote = [_call(pynvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link) for link in active]
     device["nvlink_remote_bus_ids"] = [r.get("busId") if isinstance(r, dict) else None for r in remote]
     # 0 GPU, 1 IBM NPU, 2 NVSwitch: behind a switch every GPU reaches every other.
-    device["nvlink_remote_types"] = [
-        _call(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link) for link in active
-    ]
+    remote_type = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType
+    device["nvlink_remote_types"] = [_call(remote_type, handle, link) for link in active]
     return device
 
 
@@ -135,15 +133,9 @@ def gather_torch() -> dict:
 
         if not torch.cuda.is_available():
             return {"torch_error": "torch.cuda.is_available() is False"}
-        return {
-            "torch_devices": [
-                {
-                    key: getattr(p, key)
-                    for key in ("name", "total_memory", "major", "minor", "multi_processor_count")
-                }
-                for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
-            ]
-        }
+        keys = ("name", "total_memory", "major", "minor", "multi_processor_count")
+        devices = map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
+        return {"torch_devices": [{key: getattr(p, key) for key in keys} for p in devices]}
     except Exception as e:  # noqa: BLE001 - a broken CUDA setup raises anything; it is a note, not a crash
         return {"torch_error": _error(e)["error"]}
 
