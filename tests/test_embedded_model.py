@@ -1,0 +1,260 @@
+"""The model layer of the embedded engine against Hugging Face transformers as the reference.
+
+Our loader, tokenizer and chat template on the bundled SmolLM2 GGUF must give HF's token ids,
+logits and greedy output; tiny random llama and qwen2 checkpoints written by transformers must load
+through our safetensors path with HF's logits; int8 quantization must keep greedy choices.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from autotune.embedded import weights
+from autotune.embedded.model import KVCache
+from autotune.embedded.quantize import Int8Linear, quantize_int8, weight_bytes
+from autotune.embedded.tokenizer import StreamDecoder
+from autotune.embedded.weights import bundled_gguf_path, check_draft_compatible, load_model
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+TEXTS = [
+    "Hello world! How are you?",
+    CODE_PROMPT + "    if n < 2:\n\t\treturn n  # tabs\n",
+    "Unicode: naïve café, 日本語のテキスト, emoji 🤖🚀, Ελληνικά",
+    "whitespace   runs\n\n\n   and    trailing   ",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>\n",
+    "numbers 1234567 3.14159 and CamelCaseWords don't can't",
+]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' own GGUF path: its tokenizer, and its dequantisation and Q/K unpermutation.
+
+    `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate`, so the model is
+    built from the config and filled by transformers' GGUF loader directly.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = bundled_gguf_path()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    assert model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]  # tied
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """Plain greedy decoding over Transformer.forward with a KV cache: prefill, then one token a step."""
+    cache = KVCache(model.args, 1, len(prompt_ids) + max_new_tokens, torch.float32)
+    n = len(prompt_ids)
+    logits = model(torch.tensor([prompt_ids]), torch.arange(n)[None], cache, kv_len=n)[0, -1]
+    out = []
+    while len(out) < max_new_tokens:
+        out.append(int(logits.argmax()))
+        if out[-1] == eos:
+            break
+        pos = n + len(out) - 1
+        logits = model(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache, kv_len=pos + 1)[0, -1]
+    return out
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(model.args, 1, len(ids), torch.float32)
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, kv_len=len(ids))[0]
+
+
+# -- the bundled GGUF -----------------------------------------------------------------------------
+def test_bundled_model_metadata(ours):
+    assert ours.sha256 == weights.BUNDLED_SHA256
+    assert (ours.args.n_layers, ours.args.dim, ours.args.n_heads, ours.args.n_kv_heads) == (30, 576, 9, 3)
+    assert ours.args.tie_embeddings and ours.model.output.weight is ours.model.tok_embeddings.weight
+    assert ours.args.rope_base == 100000.0 and ours.args.max_seq_len == 8192
+    assert ours.tokenizer.eos_token_id == 2 and 2 in ours.tokenizer.stop_token_ids
+    assert not ours.model.training and next(ours.model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_transformers(ours, hf):
+    hf_model, _ = hf
+    eos = ours.tokenizer.eos_token_id
+    for prompt in (ours.tokenizer.apply_chat_template(CHAT), CODE_PROMPT):
+        ids = ours.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            mine = greedy(ours.model, ids, 24, eos)
+            theirs = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=eos,
+                                       pad_token_id=eos)[0, len(ids):].tolist()
+        assert len(mine) >= 8
+        assert mine == theirs, (ours.tokenizer.decode(mine), ours.tokenizer.decode(theirs))
+
+
+@pytest.mark.slow
+def test_logits_match_transformers(ours, hf):
+    hf_model, _ = hf
+    ids = ours.tokenizer.encode(CODE_PROMPT)
+    with torch.inference_mode():
+        mine, theirs = full_logits(ours.model, ids), hf_model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(mine, theirs, atol=2e-3, rtol=0), (mine - theirs).abs().max()
+
+
+def test_tokenizer_matches_transformers(ours, hf):
+    _, hf_tokenizer = hf
+    for text in TEXTS:
+        ids = ours.tokenizer.encode(text)
+        assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
+        assert ours.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ours.tokenizer.encode(TEXTS[4])) < 12  # <|im_start|> and <|im_end|> are one token each
+
+
+def test_chat_template_matches_transformers(ours, hf):
+    _, hf_tokenizer = hf
+    conversations = [
+        CHAT,
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "Ça va ?"}],
+    ]
+    for messages in conversations:
+        for add_generation_prompt in (True, False):
+            expected = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt)
+            assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt) == expected
+
+
+def test_stream_decoder_never_splits_a_character(ours):
+    tok = ours.tokenizer
+    text = "Plain, then 日本語 and 🤖🚀 emoji, then <|im_end|> plain again."
+    ids = tok.encode(text)
+    stream = StreamDecoder(tok)
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+    assert sum(1 for p in pieces if p == "") >= 1  # multibyte characters span tokens: some steps wait
+
+
+# -- HF safetensors directories -----------------------------------------------------------------------
+def write_tiny_checkpoint(directory, model_type: str, tokenizer_source) -> "torch.nn.Module":
+    """A random tiny llama/qwen2 saved by transformers, with the bundled model's tokenizer files."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=tokenizer_source.vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, eos_token_id=tokenizer_source.eos_token_id)
+    if model_type == "llama":
+        config = LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False)
+    else:
+        config = Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases, or a loader that drops them would go unnoticed
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.normal_(0, 0.5 if "norm" in name else 0.1).add_(1.0 if "norm" in name else 0.0)
+    model.save_pretrained(directory)
+    tokenizer_source.backend.save(str(directory / "tokenizer.json"))
+    eos = tokenizer_source.token(tokenizer_source.eos_token_id)
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": eos, "chat_template": tokenizer_source.chat_template}))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_safetensors_checkpoint_matches_transformers(tmp_path, ours, model_type):
+    reference = write_tiny_checkpoint(tmp_path, model_type, ours.tokenizer)
+    loaded = load_model(str(tmp_path), max_seq_len=4096)
+    assert loaded.sha256 is None and loaded.args.max_seq_len == 128  # capped at the context length
+    assert loaded.args.qkv_bias == (model_type == "qwen2")
+    assert loaded.args.tie_embeddings == (model_type == "qwen2")
+    ids = ours.tokenizer.encode(TEXTS[1])
+    with torch.inference_mode():
+        mine, theirs = full_logits(loaded.model, ids), reference(torch.tensor([ids])).logits[0]
+    assert torch.allclose(mine, theirs, atol=1e-4, rtol=0), (mine - theirs).abs().max()
+    # Same tokenizer files as the bundled model: a valid draft for it, with the same chat prompt.
+    check_draft_compatible(ours, loaded)
+    assert loaded.tokenizer.apply_chat_template(CHAT) == ours.tokenizer.apply_chat_template(CHAT)
+    assert loaded.tokenizer.encode(TEXTS[2]) == ours.tokenizer.encode(TEXTS[2])
+
+
+def test_draft_with_other_vocabulary_is_refused(tmp_path, ours):
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+
+    from autotune.embedded.tokenizer import Tokenizer
+
+    vocab = {f"w{i}": i for i in range(ours.tokenizer.vocab_size)}  # same size, other tokens
+    other = Tokenizer(BackendTokenizer(WordLevel(vocab, unk_token="w0")), 0, None, None)
+    write_tiny_checkpoint(tmp_path, "llama", other)
+    draft = load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="different vocabulary"):
+        check_draft_compatible(ours, draft)
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+def test_bad_paths_give_one_line_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "nope.gguf"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="neither a .gguf file nor a directory"):
+        load_model(str(tmp_path / "notes.txt"))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(str(tmp_path / "junk.gguf"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(None, dtype="int4")
+    monkeypatch.setattr(weights, "BUNDLED_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match="corrupt"):
+        load_model(None)
+
+
+def test_gguf_with_unsupported_architecture_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        load_model(str(path))
+
+
+# -- int8 -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
+    quantized = quantize_int8(ours.model)
+    assert quantized is not ours.model and isinstance(ours.model.layers[0].attention.wq, torch.nn.Linear)
+    assert isinstance(quantized.output, Int8Linear) and isinstance(quantized.layers[0].feed_forward.w2, Int8Linear)
+    original = {p.data_ptr() for p in ours.model.state_dict().values()}
+    assert not original & {t.data_ptr() for t in quantized.state_dict().values()}  # nothing shared
+    assert weight_bytes(quantized) * 2 <= weight_bytes(ours.model)
+
+    # Teacher-forced on the fp32 model's own greedy continuation: the int8 top-1 agrees almost everywhere.
+    prompt = ours.tokenizer.encode(ours.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a linked list."}]))
+    with torch.inference_mode():
+        continuation = greedy(ours.model, prompt, 32, eos=-1)
+        ids = prompt + continuation
+        a, b = full_logits(ours.model, ids).argmax(-1), full_logits(quantized, ids).argmax(-1)
+    agreement = (a == b).float().mean().item()
+    assert agreement >= 0.9, agreement
+    with torch.inference_mode():
+        assert greedy(quantized, prompt, 8, eos=-1)[:4] == continuation[:4]
