@@ -100,6 +100,10 @@ def _parse(parse, args: list[str]) -> tuple[object, list[str]]:
         return None, [lines[-1] if lines else "the parser rejected the arguments"]
 
 
+def _one_line(text: str, limit: int = 400) -> str:
+    return " ".join(text.split())[:limit]
+
+
 def sglang_errors(args: list[str]) -> list[str]:
     sglang_parser()  # installs the import stand-ins where needed
     from sglang.srt.server_args import prepare_server_args
@@ -112,7 +116,7 @@ def sglang_errors(args: list[str]) -> list[str]:
             server_args.resolve_once()
             server_args.check_server_args()
         except Exception as e:  # the engine's own verdict, whatever its exception type
-            errors.append(f"sglang: {type(e).__name__}: {e}".strip())
+            errors.append(_one_line(f"sglang: {type(e).__name__}: {e}"))
     return errors
 
 
@@ -128,7 +132,7 @@ def vllm_errors(args: list[str]) -> list[str]:
                 ns.model = ns.model_tag
             EngineArgs.from_cli_args(ns).create_engine_config()
         except Exception as e:
-            errors.append(f"vllm: {type(e).__name__}: {e}".strip())
+            errors.append(_one_line(f"vllm: {type(e).__name__}: {e}"))
     return errors
 
 

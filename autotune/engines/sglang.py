@@ -49,9 +49,13 @@ class SGLangAdapter(EngineAdapter):
                        f"set all together or not at all (got only {', '.join(given)})")
         if algo in EAGLE_FAMILY and len(given) == 3:
             steps, topk, tokens = (c[k] for k in SPEC_SHAPE)
-            if topk > 1 and steps * topk + 1 < tokens:
-                out.append(f"speculative_num_draft_tokens {tokens} exceeds the draft tree: "
-                           f"steps*topk+1 = {steps}*{topk}+1 = {steps * topk + 1}")
+            # The tree offers topk candidates at the first step and topk*topk at each later one, and
+            # verification picks tokens-1 of them (eagle_utils.organize_draft_results: torch.topk).
+            # topk 1 is not refused: SGLang silently runs steps+1 tokens (see effective()).
+            candidates = topk + (steps - 1) * topk * topk
+            if topk > 1 and tokens - 1 > candidates:
+                out.append(f"speculative_num_draft_tokens {tokens} exceeds the draft tree: at most "
+                           f"1 + topk + (steps-1)*topk^2 = {candidates + 1} for steps {steps}, topk {topk}")
             if topk > 1 and c.get("attention_backend") == "trtllm_mha":
                 out.append("attention_backend trtllm_mha supports only speculative_eagle_topk 1")
             if topk > 1 and (c.get("page_size") or 1) > 1 and c.get("attention_backend", "flashinfer") not in (
