@@ -12,6 +12,8 @@ from pathlib import Path
 SCHEMA_DIR = Path(__file__).parent / "schemas"
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
 _SUFFIXED_INT = re.compile(r"^\d+(\.\d+)?(k|K|M|G|T|Ki|Mi|Gi|Ti)?$")
+WANTED = {"int": "an integer", "float": "a number", "json": "a JSON value", "int_suffix": "an integer like 8192 or 8k",
+          "int_suffix_or_auto": "an integer like 8192 or 8k, or auto"}
 
 
 def flag(name: str) -> str:
@@ -42,11 +44,10 @@ def _value_problem(value: str, option: dict) -> str | None:
             float(value)
         elif kind == "json":
             json.loads(value)
-        elif kind in ("int_suffix", "int_suffix_or_auto"):
-            if not (_SUFFIXED_INT.match(value) or (kind == "int_suffix_or_auto" and value == "auto")):
-                raise ValueError
+        elif kind.startswith("int_suffix") and not (_SUFFIXED_INT.match(value) or (kind.endswith("auto") and value == "auto")):
+            raise ValueError
     except ValueError:
-        return f"{option['flags'][0]} takes {'a JSON value' if kind == 'json' else 'an ' + kind.split('_')[0]}, got {value!r}"
+        return f"{option['flags'][0]} takes {WANTED[kind]}, got {value!r}"
     if option["choices"] is not None and value not in [str(c) for c in option["choices"]]:
         return f"{option['flags'][0]} must be one of {', '.join(map(str, option['choices']))}; got {value!r}"
     return None
@@ -97,7 +98,7 @@ def engine_parser_errors(engine: str, args: list[str], timeout_s: float = 180.0)
     if importlib.util.find_spec(engine) is None:
         return None
     proc = subprocess.run([sys.executable, "-m", "autotune.engines.real_parser", engine, *args],
-                          capture_output=True, text=True, timeout=timeout_s)
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -167,7 +168,7 @@ class EngineAdapter:
     name = ""
     version = ""  # of the captured flag schema
     runtime_params: frozenset[str] = frozenset()
-    entry: list[str] = []  # argv before the engine's own arguments, e.g. [python, -m, module]
+    entry: tuple[str, ...] = ()  # argv before the engine's own arguments, e.g. [python, -m, module]
 
     def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str, port: int,
                 extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
@@ -184,7 +185,7 @@ class EngineAdapter:
 
     def engine_args(self, argv: list[str]) -> list[str]:
         """argv without the entry prefix (the adapter's own command() output is accepted as is)."""
-        return list(argv[len(self.entry):]) if list(argv[:len(self.entry)]) == self.entry else list(argv)
+        return list(argv[len(self.entry):]) if tuple(argv[:len(self.entry)]) == self.entry else list(argv)
 
     def validate_flags(self, argv: list[str]) -> list[str]:
         args = self.engine_args(argv)

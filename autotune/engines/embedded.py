@@ -26,7 +26,7 @@ def _schema() -> dict:
     """EngineConfig's fields as a flag schema, so `autotune serve` argv is checked like the others."""
     options = []
     for name, typ in [*((f.name, f.type) for f in dataclasses.fields(engine_config.EngineConfig)), *SERVE_ONLY.items()]:
-        base = [t for t in typ.__args__ if t is not type(None)][0] if isinstance(typ, types.UnionType) else typ
+        base = next(t for t in typ.__args__ if t is not type(None)) if isinstance(typ, types.UnionType) else typ
         options.append({"flags": ["--" + name.replace("_", "-")], "dest": name, "optional": False, "nargs": None,
                         "type": {int: "int", float: "float"}.get(base, "str"), "choices": CHOICES.get(name)})
     return {"engine": "embedded", "version": "autotune serve", "options": options, "renamed": {},
@@ -39,7 +39,7 @@ SCHEMA = _schema()
 class EmbeddedAdapter(EngineAdapter):
     name = "embedded"
     runtime_params = frozenset({"draft_length", "draft_policy", "ngram_min", "ngram_max"})
-    entry = [sys.executable, "-m", "autotune.cli", "serve"]
+    entry = (sys.executable, "-m", "autotune.cli", "serve")
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         unknown = set(config) - set(DEFAULTS)

@@ -42,7 +42,7 @@ def _stub_missing_sglang_imports() -> _StubFinder | None:
     if importlib.util.find_spec("triton") is not None:
         return None
     # torch decides "no triton" for itself first, so it never sees the stand-in.
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
     import torch._inductor.compile_fx  # noqa: F401
 
     root = importlib.util.find_spec("sglang").submodule_search_locations[0]
@@ -115,7 +115,7 @@ def sglang_errors(args: list[str]) -> list[str]:
         try:
             server_args.resolve_once()
             server_args.check_server_args()
-        except Exception as e:  # the engine's own verdict, whatever its exception type
+        except Exception as e:  # noqa: BLE001 (the engine's verdict, whatever its exception type)
             errors.append(_one_line(f"sglang: {type(e).__name__}: {e}"))
     return errors
 
@@ -131,7 +131,7 @@ def vllm_errors(args: list[str]) -> list[str]:
             if ns.model_tag:
                 ns.model = ns.model_tag
             EngineArgs.from_cli_args(ns).create_engine_config()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             errors.append(_one_line(f"vllm: {type(e).__name__}: {e}"))
     return errors
 

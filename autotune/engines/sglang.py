@@ -25,7 +25,7 @@ def _dp_attention(c: dict) -> bool:
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
     version = "0.5.23"
-    entry = [sys.executable, "-m", "sglang.launch_server"]
+    entry = (sys.executable, "-m", "sglang.launch_server")
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, env = dict(config), {}

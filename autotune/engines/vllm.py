@@ -20,7 +20,7 @@ NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
     version = "0.33.0"
-    entry = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    entry = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
 
     def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
         method = config.get("speculative_method")
