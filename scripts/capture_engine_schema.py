@@ -36,7 +36,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autotune.engines.real_parser import sglang_parser, vllm_parser  # noqa: E402
+from autotune.engines.real_parser import sglang_parser, vllm_parser
 
 # Parser type functions by name -> the value kind the schema checks ("str" for anything else).
 TYPE_KINDS = {
