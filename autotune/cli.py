@@ -68,9 +68,9 @@ def serve(
         device=device, max_seq_len=max_seq_len, seed=seed)
 
     import logging
+    import os
+    import sys
 
-    logging.basicConfig(level=logging.DEBUG if log_level == "trace" else log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
     from autotune.embedded.scheduler import Engine
@@ -79,12 +79,19 @@ def serve(
     if device.startswith("cuda") and not torch.cuda.is_available():
         typer.echo(f"error: --device {device}: no CUDA device is available here", err=True)
         raise typer.Exit(2)
+    logging.basicConfig(level=logging.DEBUG if log_level == "trace" else log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = Engine(config)  # validates the config (one-line ValueError), then loads the model
     except (ValueError, OSError, RuntimeError) as e:  # bad model path, vocabulary mismatch, no CUDA...
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     serve_engine(engine, host=host, port=port, log_level=log_level)
+    # Shut down cleanly by now; skip interpreter teardown, which takes seconds once torch and uvicorn are loaded.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- autotune probe: what the machine is -------------------------------------------------------------

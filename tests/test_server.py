@@ -194,14 +194,6 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(client):
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
 
 
-def test_max_tokens_is_capped_by_the_context(client):
-    prompt = list(range(100, 100 + 1020))  # 1024-token context: room for 4
-    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 50, "ignore_eos": True})
-    assert response.status_code == 200
-    assert response.json()["choices"][0]["finish_reason"] == "length"
-    assert response.json()["usage"]["completion_tokens"] == 4
-
-
 def test_client_disconnect_frees_the_slot(client, embedded_server):
     before = wait_idle(client)
     body = {"prompt": CODE_PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
@@ -278,8 +270,13 @@ def test_openai_client(embedded_server):
 
 
 @pytest.mark.slow
-def test_sigterm_aborts_in_flight_and_exits_0(start_embedded_server):
+def test_small_context_caps_max_tokens_and_sigterm_exits_0(start_embedded_server):
     server = start_embedded_server(drafter="none", verify_slots=1, max_seq_len=256)
+    full = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": list(range(100, 352)), "max_tokens": 50, "ignore_eos": True}).json()
+    assert (full["choices"][0]["finish_reason"], full["usage"]["completion_tokens"]) == ("length", 4)  # 256 - 252
+
+    # SIGTERM with a stream in flight: the stream ends with "abort" and [DONE], the server exits 0.
     payloads, first_token = [], threading.Event()
 
     def consume():
@@ -295,7 +292,7 @@ def test_sigterm_aborts_in_flight_and_exits_0(start_embedded_server):
     assert first_token.wait(60)
     started = time.monotonic()
     assert server.stop() == 0, server.log()[-2000:]
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 10
     reader.join(10)
     assert payloads[-1] == "data: [DONE]"
     assert json.loads(payloads[-2][6:])["choices"][0]["finish_reason"] == "abort"
@@ -304,8 +301,8 @@ def test_sigterm_aborts_in_flight_and_exits_0(start_embedded_server):
 
 @pytest.mark.slow
 def test_serve_rejects_bad_flags_in_one_line():
-    for flags, phrase in ((["--drafter", "bogus"], "drafter"), (["--cuda-graph-batch-sizes", "1,x"], "cuda-graph"),
-                          (["--model", "/nonexistent/model.gguf"], "does not exist"), (["--port", "0"], "port")):
+    for flags, phrase in ((["--cuda-graph-batch-sizes", "1,x"], "cuda-graph"), (["--port", "0"], "port"),
+                          (["--model", "/nonexistent/model.gguf"], "does not exist")):
         done = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *flags], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2, (flags, done.stderr)
