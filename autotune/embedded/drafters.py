@@ -78,7 +78,7 @@ class ModelDrafter(NoDrafter):
 
     def prefill(self, input_ids, input_pos, row, kv_len):
         if not self.shares_target_cache:
-            self.prefill_forward(input_ids, input_pos, row, kv_len, logits_from=input_ids.shape[1])
+            self.prefill_forward(input_ids, input_pos, row, kv_len, logits_from=input_ids.shape[1] - 1)
 
     def propose(self, step: StepInput):
         k = max(step.draft_lengths)

@@ -129,7 +129,8 @@ def prefill_chunk(target, drafter, input_ids: Tensor, start: int, row: Tensor | 
     width = input_ids.shape[1]
     input_pos = torch.arange(start, start + width, device=input_ids.device)[None]
     entropy_width = max(0, min(width, ENTROPY_POSITIONS - start))
-    logits = target(input_ids, input_pos, row, kv_len, logits_from=width - entropy_width)
+    # Without entropy positions the head still runs once: int8 heads cannot take an empty batch.
+    logits = target(input_ids, input_pos, row, kv_len, logits_from=0 if entropy_width else width - 1)
     drafter.prefill(input_ids, input_pos, row, kv_len)
     if not entropy_width:
         return None

@@ -57,7 +57,7 @@ def probabilities(logits: Tensor, sampling: SamplingBatch) -> Tensor:
     keep = rank < top_k[:, None, None]
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep &= mass_before < sampling.top_p[:, None, None]
+    keep = keep & (mass_before < sampling.top_p[:, None, None])
     filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     return filtered / filtered.sum(-1, keepdim=True)
 
