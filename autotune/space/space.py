@@ -86,11 +86,21 @@ class Space:
         return all(ref in config and config[ref] in allowed for ref, allowed in param.when.items())
 
     def suggest(self, trial) -> dict:
-        """A configuration from an Optuna trial; inactive parameters are never suggested."""
+        """A configuration from an Optuna trial; inactive parameters are never suggested.
+
+        An enqueued seed carries its config in user_attrs["seed_config"]: a value of None there
+        ("the engine's default", e.g. threads) is not a number Optuna can hold, so it is not asked."""
+        seed = trial.user_attrs.get("seed_config") or {}
         config = {}
         for p in self.params.values():  # declaration order: `when` only names earlier parameters
-            if self.active(p, config):
-                config[p.name] = p.fixed if p.pinned else p.suggest(trial)
+            if not self.active(p, config):
+                continue
+            if p.pinned:
+                config[p.name] = p.fixed
+            elif p.name in seed and seed[p.name] is None:
+                config[p.name] = None
+            else:
+                config[p.name] = p.suggest(trial)
         return config
 
     def complete(self, partial: dict) -> dict:
@@ -107,10 +117,6 @@ class Space:
     def runtime_names(self) -> set[str]:
         return {p.name for p in self.params.values() if p.runtime}
 
-    def launch_part(self, config: dict) -> dict:
-        """The part of a config that needs a (re)launch; the rest can change on a running server."""
-        return {k: v for k, v in config.items() if not (k in self.params and self.params[k].runtime)}
-
     def seed_configs(self) -> list[dict]:
         """Seeds completed with defaults and pins, dropping those outside the user's narrowing."""
         out = []
@@ -122,7 +128,7 @@ class Space:
 
     def trial_params(self, config: dict) -> dict:
         """A config as the params dict of `study.enqueue_trial` (pinned parameters are not Optuna's)."""
-        return {k: self.params[k].encode(v) for k, v in config.items() if not self.params[k].pinned}
+        return {k: self.params[k].encode(v) for k, v in config.items() if not self.params[k].pinned and v is not None}
 
     # -- user narrowing -----------------------------------------------------------------------
     def narrowed(self, overrides: dict[str, Any]) -> "Space":

@@ -14,6 +14,7 @@ says in words what happened (ok, infeasible, pruned, rejected, failed, duplicate
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import time
@@ -30,7 +31,7 @@ from autotune.study.live import LiveView
 
 DEFAULT_TRIALS = 25
 DEFAULT_EMBEDDED_BUDGET_S = 14 * 60
-MAX_IDLE_ASKS = 60  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
+MAX_IDLE_ASKS = 30  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
 
 
 @dataclass
@@ -108,7 +109,10 @@ def plan(opts: RunOptions) -> Plan:
     for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path}: no such file or directory")
-    adapter = get_adapter(opts.engine)  # raises with a one-line reason when the engine is not usable here
+    adapter = get_adapter(opts.engine)  # raises for an unknown engine
+    if opts.engine != "embedded" and importlib.util.find_spec(opts.engine) is None:
+        raise ValueError(f"{opts.engine} is not installed on this machine (pip install {opts.engine}); "
+                         "--engine embedded runs anywhere")
     space = load_space(opts.engine)
     overrides: dict = {}
     if opts.space:
@@ -141,6 +145,11 @@ class Servers:
         self.launch_config: dict | None = None
         self.launches = 0
         self.saved = 0
+        # Changed on a running server only where the space and the engine both say it can be.
+        self.runtime_names = p.space.runtime_names() & set(getattr(p.adapter, "runtime_params", ()))
+
+    def launch_part(self, config: dict) -> dict:
+        return {k: v for k, v in config.items() if k not in self.runtime_names}
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
@@ -149,12 +158,15 @@ class Servers:
         """Bring up a server running `config`; returns (how: launched|reused, launch record)."""
         from autotune.engines.launcher import Launcher, free_port
 
-        space, adapter = self.p.space, self.p.adapter
-        if self.alive() and space.launch_part(config) == self.launch_config:
-            runtime = {k: v for k, v in config.items() if k in space.runtime_names()}
-            adapter.apply_runtime(self.server.base_url, runtime)
-            self.saved += 1
-            return "reused", {"argv": self.server.argv, "log": str(self.server.log_path)}
+        adapter = self.p.adapter
+        if self.alive() and self.launch_part(config) == self.launch_config:
+            runtime = {k: v for k, v in config.items() if k in self.runtime_names}
+            try:
+                adapter.apply_runtime(self.server.base_url, runtime)
+                self.saved += 1
+                return "reused", {"argv": self.server.argv, "log": str(self.server.log_path), "runtime": runtime}
+            except Exception:  # noqa: BLE001 - a server that will not take the change is relaunched with it
+                pass
         self.stop()
         port = free_port()
         argv, env = adapter.command(config, model=self.p.opts.model, draft_model=self.p.opts.draft_model,
@@ -164,7 +176,7 @@ class Servers:
         self.launches += 1
         self.launch_config = None
         self.server.start(timeout=self.p.opts.launch_timeout_s)  # raises LaunchError(kind, message, log_tail)
-        self.launch_config = space.launch_part(config)
+        self.launch_config = self.launch_part(config)
         return "launched", {"argv": argv, "env": env, "log": str(log)}
 
     def stop(self):
@@ -224,9 +236,9 @@ def run_study(p: Plan, console=None) -> Outcome:
     defaults = p.space.defaults()
     if not opts.resume:
         for config in p.space.seed_configs():
-            study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed": config == defaults})
+            study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
     servers = Servers(p)
-    view = LiveView(opts.objective, defaults, console=console, enabled=opts.live)
+    view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
     measured = sum(t.user_attrs.get("measured", False) for t in study.get_trials(deepcopy=False))
     start, idle, interrupted = time.monotonic(), 0, False
     durations: list[float] = []
@@ -288,7 +300,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
         return study.get_trials(deepcopy=False)[trial.number]
 
     # 1. rules, hardware, memory: rejected before any launch, with the reason and numbers.
-    violations = [f"rule: {v}" for v in p.adapter.check(config, p.hardware)]
+    violations = [f"rule: {v}" for v in p.adapter.check(config, p.hardware, has_draft_model=bool(opts.draft_model))]
     violations += [f"hardware: {v}" for v in constraints.hardware_violations(config, p.hardware, p.shape)]
     fit = constraints.estimate_memory(config, p.hardware, p.shape, p.draft_shape)
     if fit is not None:
@@ -307,7 +319,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     attrs.update(effective=effective, effective_key=key)
     for earlier in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         if earlier.user_attrs.get("effective_key") == key and earlier.user_attrs.get("status") != "duplicate":
-            copied = {k: v for k, v in earlier.user_attrs.items() if k not in ("config", "seed", "measured", "timings")}
+            copied = {k: v for k, v in earlier.user_attrs.items() if k not in ("config", "seed_config", "measured", "timings")}
             attrs.update(copied)
             for name, amount in earlier.constraints.items():
                 trial.set_constraint(name, amount)
@@ -324,11 +336,10 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
         how, launch = servers.ensure(config, log)
     except LaunchError as e:
         servers.stop()
-        tail = getattr(e, "log_tail", "") or ""
         return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind=e.kind,
-                      failure=str(e.message if hasattr(e, "message") else e), log_tail=tail[-2000:],
+                      failure=e.message, log_tail=(e.log_tail or "")[-2000:],
                       log=str(log), launch="launched", timings={"launch_s": round(time.monotonic() - t0, 3)},
-                      measured=True, argv=getattr(e, "argv", None) or _argv_of(servers))
+                      measured=True, argv=e.argv)
     attrs.update(launch=how, argv=launch["argv"], log=launch["log"], measured=True,
                  timings={"launch_s": round(time.monotonic() - t0, 3)})
     if "env" in launch:
@@ -336,7 +347,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
 
     # 4. quick first measurement (also the warm-up), then the full benchmark.
     try:
-        quick = measure(p, servers, opts.quick_requests or _quick_size(p), warm=True)
+        quick = measure(p, servers, opts.quick_requests or _quick_size(p))
         attrs["quick"] = quick
         attrs["timings"]["quick_s"] = quick.get("duration_s")
         first = objectives.values(quick, opts.objective)
@@ -346,7 +357,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
                 return finish(TrialState.PRUNED, status="pruned",
                               failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
         view.phase(trial.number, "benchmarking")
-        summary = measure(p, servers, opts.num_requests, warm=False)
+        summary = measure(p, servers, opts.num_requests)
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind=e.kind, failure=str(e))
@@ -378,7 +389,7 @@ def _quick_size(p: Plan) -> int:
     return max(2, p.opts.concurrency or 4)
 
 
-def measure(p: Plan, servers: Servers, num_requests: int | None, warm: bool) -> dict:
+def measure(p: Plan, servers: Servers, num_requests: int | None) -> dict:
     """One benchmark run against the current server; raises BenchFailure when the server dies."""
     from autotune.bench import run_benchmark
 
@@ -386,7 +397,7 @@ def measure(p: Plan, servers: Servers, num_requests: int | None, warm: bool) -> 
     try:
         result = run_benchmark(servers.server.base_url, p.workload, concurrency=p.opts.concurrency,
                                num_requests=num_requests, max_tokens=p.opts.max_tokens, seed=p.opts.seed,
-                               server_pid=servers.server.pid, progress=False)
+                               server_pid=servers.server.proc.pid, progress=False)
     except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
         kind = "crash" if not servers.alive() else "bench"
         raise BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -395,10 +406,6 @@ def measure(p: Plan, servers: Servers, num_requests: int | None, warm: bool) -> 
     summary = _json_ready(dict(result.summary))
     summary["duration_s"] = round(time.monotonic() - t0, 3)
     return summary
-
-
-def _argv_of(servers: Servers):
-    return getattr(servers.server, "argv", None)
 
 
 def _json_ready(obj):

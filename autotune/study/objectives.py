@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import optuna
 
@@ -47,10 +48,9 @@ def make_sampler(objective: str, seed: int | None = None, n_startup_trials: int 
     decomposition so the conditional parameters (draft settings under each drafter) are modelled
     per sub-space instead of being sampled independently. Few random start-up trials: the seeds
     enqueued first already spread over the space, and each trial costs a launch."""
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # `group` is experimental
     return optuna.samplers.TPESampler(
-        n_startup_trials=n_startup_trials, multivariate=True, group=True, seed=seed,
-        warn_independent_sampling=False,
-    )
+        n_startup_trials=n_startup_trials, multivariate=True, group=True, seed=seed)
 
 
 def make_pruner(objective: str) -> optuna.pruners.BasePruner:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from optuna.trial import TrialState
 
 from autotune import PROJECT_ROOT, __version__
 
-STUDIES_DIR = PROJECT_ROOT / "studies"
+STUDIES_DIR = Path(os.environ.get("AUTOTUNE_STUDIES_DIR") or PROJECT_ROOT / "studies")  # tests point it elsewhere
 
 
 class StudyError(ValueError):
