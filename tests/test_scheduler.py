@@ -1,0 +1,141 @@
+"""The engine's serving semantics on the bundled model: counters, cancel, FIFO queueing, rejection of
+requests that cannot fit, runtime knobs, draft-length policies."""
+import json
+import queue
+import threading
+
+import pytest
+
+from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
+from autotune.embedded.draft_policy import DraftPolicy, load_estimator
+from autotune.embedded.scheduler import Engine
+
+CODE_PROMPT = ("def area(width, height):\n    return width * height\n\n"
+               "# Same function, with type hints:\ndef area(")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(EngineConfig(drafter="ngram", draft_length=4, verify_slots=2, max_seq_len=192, threads=2))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+class Collector:
+    """on_event target: every event of one request, and when it ended."""
+
+    def __init__(self, log: queue.Queue | None = None, name=None):
+        self.events, self.done, self.log, self.name = [], threading.Event(), log, name
+
+    def __call__(self, event):
+        self.events.append(event)
+        if self.log is not None and len(self.events) == 1:
+            self.log.put(("first", self.name))
+        if event.finish_reason:
+            if self.log is not None:
+                self.log.put(("done", self.name))
+            self.done.set()
+
+    def wait(self, timeout=120):
+        assert self.done.wait(timeout), "request did not finish"
+        return self.events[-1]
+
+    @property
+    def tokens(self):
+        return [t for e in self.events for t in e.new_token_ids]
+
+
+def submit(engine, prompt=CODE_PROMPT, collector=None, **params) -> tuple[int, Collector]:
+    collector = collector or Collector()
+    ids = engine.tokenizer.encode(prompt)
+    request_id = engine.submit(GenerationRequest(ids, SamplingParams(**params), frozenset(), prompt), collector)
+    return request_id, collector
+
+
+@pytest.mark.slow
+def test_counters_add_up(engine):
+    before = engine.stats()
+    _, greedy = submit(engine, max_tokens=24)
+    _, sampled = submit(engine, "Tell me a story about a cat.", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    finals = [greedy.wait(), sampled.wait()]
+    for collector, final in zip((greedy, sampled), finals):
+        assert final.finish_reason == "length"
+        assert final.completion_tokens == len(collector.tokens)
+        spec = final.spec
+        assert 0 <= spec.accepted_tokens <= spec.draft_tokens
+        # every verify step emits its accepted proposals plus one token of the target's own
+        assert final.completion_tokens == spec.verify_steps + spec.accepted_tokens
+        assert final.prompt_entropy > 0
+    assert finals[0].spec.accepted_tokens > 0  # the code prompt repeats itself: n-gram drafts land
+    after = engine.stats()
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    steps = after["verify_steps"] - before["verify_steps"]
+    assert generated == sum(f.completion_tokens for f in finals)
+    assert steps == sum(f.spec.verify_steps for f in finals)
+    assert after["accept_length"] == pytest.approx(after["generation_tokens_total"] / after["verify_steps"])
+    assert after["requests_running"] == 0 and after["requests_waiting"] == 0
+
+
+@pytest.mark.slow
+def test_cancel_frees_the_slot_and_queue_is_fifo(engine):
+    log = queue.Queue()
+    long_a, a = submit(engine, collector=Collector(log, "a"), max_tokens=150, ignore_eos=True)
+    long_b, b = submit(engine, collector=Collector(log, "b"), max_tokens=150, ignore_eos=True)
+    waiting = [submit(engine, f"Question {i}: what is {i} + {i}?", Collector(log, f"w{i}"), max_tokens=3)[1]
+               for i in range(3)]
+    assert log.get(timeout=120) == ("first", "a")  # both slots busy, three requests queued
+    assert engine.stats()["requests_waiting"] == 3
+    engine.cancel(long_a)
+    assert a.wait().finish_reason == "abort"
+    assert a.events[-1].completion_tokens < 150
+    for w in waiting:
+        assert w.wait().finish_reason in ("length", "stop")
+    engine.cancel(long_b)
+    assert b.wait().finish_reason == "abort"
+    # One slot was free: the queued requests ran one after another, oldest first.
+    order = [item for item in drain(log) if item[1].startswith("w")]
+    assert order == [(kind, f"w{i}") for i in range(3) for kind in ("first", "done")]
+
+
+def drain(log: queue.Queue) -> list:
+    items = []
+    while not log.empty():
+        items.append(log.get_nowait())
+    return items
+
+
+@pytest.mark.slow
+def test_requests_that_cannot_fit_are_rejected(engine):
+    final = submit(engine, max_tokens=180)[1].wait()
+    assert final.finish_reason == "error" and "context length of 192" in final.error
+    assert submit(engine, max_tokens=0)[1].wait().finish_reason == "error"
+    assert submit(engine, max_tokens=4)[1].wait().finish_reason == "length"  # and it keeps serving
+
+
+def test_runtime_knobs_are_validated(engine):
+    assert engine.update_runtime(draft_length=6, ngram_max=3) == {
+        "draft_length": 6, "draft_policy": "fixed", "ngram_min": 1, "ngram_max": 3}
+    for bad in ({"draft_length": 99}, {"ngram_min": 4}, {"draft_policy": "psychic"}, {"threads": 3},
+                {"draft_policy": "estimator"}):
+        with pytest.raises(ValueError):
+            engine.update_runtime(**bad)
+    assert engine.update_runtime(draft_length=4, ngram_max=4)["draft_length"] == 4
+
+
+def test_draft_policies(tmp_path):
+    adaptive = DraftPolicy("adaptive", 4)
+    assert adaptive.next_k(4, proposed=4, accepted=4) == 5
+    assert adaptive.next_k(4, proposed=4, accepted=1) == 3
+    assert adaptive.next_k(4, proposed=0, accepted=0) == 4  # no proposal, no evidence
+    assert DraftPolicy("fixed", 4).next_k(4, 4, 0) == 4
+    spec = {"feature": "prompt_entropy", "buckets": [{"below": 1.0, "k": 8}, {"below": 2.5, "k": 4}, {"k": 2}]}
+    (tmp_path / "estimator.json").write_text(json.dumps(spec))
+    policy = DraftPolicy("estimator", 4, load_estimator(str(tmp_path / "estimator.json")))
+    assert [policy.first_k({"prompt_entropy": e}) for e in (0.3, 2.0, 7.0)] == [8, 4, 2]
+    (tmp_path / "estimator.py").write_text("def draft_length(features):\n    return 3 if features['temperature'] else 7\n")
+    estimate = load_estimator(str(tmp_path / "estimator.py"))
+    assert (estimate({"temperature": 0.0}), estimate({"temperature": 1.0})) == (7, 3)
+    (tmp_path / "bad.json").write_text('{"feature": "moon phase", "buckets": []}')
+    with pytest.raises(ValueError, match="feature must be one of"):
+        load_estimator(str(tmp_path / "bad.json"))
