@@ -5,7 +5,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 
 # -- autotune serve: the embedded engine ------------------------------------------------------------
-from autotune.embedded import config as _engine_config  # noqa: E402  (dataclasses only: cheap)
+from autotune.embedded import config as _engine_config  # dataclasses only: cheap to import
 
 _SERVE_DEFAULTS = _engine_config.EngineConfig()
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -42,9 +42,10 @@ class EmbeddedServer:
     def __init__(self, **flags):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="autotune-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(serve_argv(self.port, flags), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        fd, self.log_path = tempfile.mkstemp(prefix="autotune-serve-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(serve_argv(self.port, flags), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             self._wait_ready()
         except BaseException:
@@ -76,7 +77,7 @@ class EmbeddedServer:
         return self.proc.returncode
 
     def log(self) -> str:
-        with open(self._log.name, errors="replace") as f:
+        with open(self.log_path, errors="replace") as f:
             return f.read()
 
 
@@ -85,7 +86,7 @@ def embedded_server():
     server = EmbeddedServer(**SESSION_SERVER_FLAGS)
     yield server.url
     server.stop()
-    os.unlink(server._log.name)
+    os.unlink(server.log_path)
 
 
 @pytest.fixture
@@ -99,4 +100,4 @@ def start_embedded_server():
     yield start
     for server in servers:
         server.stop()
-        os.unlink(server._log.name)
+        os.unlink(server.log_path)

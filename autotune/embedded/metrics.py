@@ -10,7 +10,7 @@ Metrics served on GET /metrics (all engine-wide, since start):
   autotune_spec_draft_tokens_total         counter  tokens proposed by the drafter
   autotune_spec_accepted_tokens_total      counter  proposed tokens the target accepted
   autotune_spec_rejections_total           counter  verify steps that ended at a rejected proposal
-  autotune_spec_accept_length              gauge    tokens per verify step, (accepted + steps) / steps
+  autotune_spec_accept_length              gauge    mean tokens generated per verify step (1.0 = no gain)
   autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
   autotune_spec_draft_seconds_total        counter  time spent drafting
   autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes

@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from jinja2.exceptions import TemplateError
+
 from autotune.embedded.config import GenerationEvent, SamplingParams
 from autotune.embedded.generate import MAX_DRAFT_LENGTH
 
@@ -108,7 +110,10 @@ def _prompt(body: dict, chat: bool, tokenizer) -> tuple[list[int], str]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
-        text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)])
+        try:
+            text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)])
+        except (ValueError, TemplateError) as e:  # no template, or the template refuses these messages
+            raise BadRequest(f"messages: {e}", "messages") from None
         return tokenizer.encode(text), text
     prompt = body.get("prompt")
     if isinstance(prompt, str):

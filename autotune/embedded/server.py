@@ -20,7 +20,6 @@ import time
 from typing import NamedTuple
 
 import uvicorn
-from jinja2.exceptions import TemplateError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,8 +27,15 @@ from starlette.routing import Route
 
 from autotune.embedded import metrics
 from autotune.embedded.config import GenerationEvent, GenerationRequest
-from autotune.embedded.openai_api import (BadRequest, ParsedRequest, ResponseFormat, StopStrings, error_body,
-                                          parse_request, usage)
+from autotune.embedded.openai_api import (
+    BadRequest,
+    ParsedRequest,
+    ResponseFormat,
+    StopStrings,
+    error_body,
+    parse_request,
+    usage,
+)
 from autotune.embedded.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -116,9 +122,6 @@ def build_app(engine) -> Starlette:
         except BadRequest as e:
             log.info("%s 400: %s", request.url.path, e.message)
             return _error(400, e.message, param=e.param)
-        except (ValueError, TemplateError) as e:  # the chat template refused the messages
-            log.info("%s 400: %s", request.url.path, e)
-            return _error(400, f"messages: {e}", param="messages")
         if state.draining:
             return _error(503, "the server is shutting down", "server_error")
         fmt = ResponseFormat(parsed)
