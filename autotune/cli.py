@@ -74,11 +74,16 @@ def serve(
     import torch
 
     from autotune.embedded.scheduler import Engine
+    from autotune.embedded.server import bind_error
     from autotune.embedded.server import serve as serve_engine
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         typer.echo(f"error: --device {device}: no CUDA device is available here", err=True)
         raise typer.Exit(2)
+    problem = bind_error(host, port)  # before the model load, not 20 s later
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
     logging.basicConfig(level=logging.DEBUG if log_level == "trace" else log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -304,12 +304,14 @@ def test_small_context_caps_max_tokens_and_sigterm_exits_0(start_embedded_server
 
 
 @pytest.mark.slow
-def test_serve_rejects_bad_flags_in_one_line():
-    for flags, phrase in ((["--cuda-graph-batch-sizes", "1,x"], "cuda-graph"), (["--port", "0"], "port"),
-                          (["--model", "/nonexistent/model.gguf"], "does not exist")):
+def test_serve_rejects_bad_flags_in_one_line(embedded_server):
+    taken = embedded_server.rsplit(":", 1)[1]
+    for flags, phrase, code in ((["--cuda-graph-batch-sizes", "1,x"], "cuda-graph", 2), (["--port", "0"], "port", 2),
+                                (["--model", "/nonexistent/model.gguf"], "does not exist", 2),
+                                (["--port", taken], "in use", 1)):
         done = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *flags], capture_output=True,
                               text=True, timeout=120, check=False)
-        assert done.returncode == 2, (flags, done.stderr)
+        assert done.returncode == code, (flags, done.stderr)
         assert done.stderr.count("\n") == 1 and phrase in done.stderr and done.stderr.startswith("error:"), done.stderr
 
 

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import time
 from typing import NamedTuple
 
@@ -248,6 +249,18 @@ class _Server(uvicorn.Server):
         self.state.draining = True
         await asyncio.to_thread(self.engine.stop)
         await super().shutdown(sockets)
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why host:port cannot be served on, checked before the slow model load; None if it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info") -> None:
