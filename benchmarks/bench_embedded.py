@@ -1,0 +1,182 @@
+"""Embedded engine speed, against peers measured in the same run on the same weights and threads.
+
+(a) plain greedy decode: the engine vs Hugging Face transformers `generate` (bs 1)
+(b) the best speculative setting vs the engine's own plain decode, on a code-editing prompt (rewrite
+    a real stdlib function with type hints) and on an open chat prompt; greedy outputs must match
+(c) draft-length sweep k = 1..8 per drafter: tok/s, accept length (tokens per verify step), accept rate
+
+    python3 benchmarks/bench_embedded.py [--quick] [--threads N] [--device cuda]
+
+On CUDA (bf16, 256 tokens by default): the engine with CUDA graphs vs HF generate with the dynamic
+cache and with cache_implementation="static". Times are wall-clock medians over --repeats runs of
+one request each, prompt included, after one warm-up.
+"""
+import argparse
+import functools
+import inspect
+import statistics
+import textwrap
+import threading
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from autotune.embedded import weights
+from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
+from autotune.embedded.scheduler import Engine
+
+CHAT_QUESTION = "What are some good habits for staying healthy while working from home? Explain briefly."
+
+
+def workloads(tokenizer) -> dict[str, list[int]]:
+    source = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split_chunks)) + "\n" + textwrap.dedent(
+        inspect.getsource(textwrap.TextWrapper._fix_sentence_endings))
+    code = f"Rewrite these Python functions with type hints. Keep the code otherwise unchanged.\n\n```python\n{source}```"
+    chat = [{"role": "user", "content": code}], [{"role": "user", "content": CHAT_QUESTION}]
+    return {name: tokenizer.encode(tokenizer.apply_chat_template(messages))
+            for name, messages in zip(("code", "chat"), chat)}
+
+
+def timed(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int], object]:
+    """One greedy request of exactly `tokens` tokens: (seconds, tokens, final event)."""
+    out, done = [], threading.Event()
+    final = []
+
+    def on_event(event):
+        out.extend(event.new_token_ids)
+        if event.finish_reason:
+            final.append(event)
+            done.set()
+
+    start = time.perf_counter()
+    engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)), on_event)
+    done.wait()
+    seconds = time.perf_counter() - start
+    if final[0].finish_reason != "length":
+        raise RuntimeError(f"generation failed: {final[0].error}")
+    return seconds, out, final[0]
+
+
+def measure(engine: Engine, prompt, tokens: int, repeats: int) -> dict:
+    timed(engine, prompt, min(tokens, 16))  # warm-up (allocator, graphs, compile)
+    runs = [timed(engine, prompt, tokens) for _ in range(repeats)]
+    seconds = statistics.median(r[0] for r in runs)
+    spec = runs[0][2].spec
+    return {"tok_s": tokens / seconds, "tokens": runs[0][1], "accept_length": tokens / spec.verify_steps,
+            "accept_rate": spec.accept_rate}
+
+
+def hf_model(path, dtype, device):
+    """transformers' llama, filled with the engine's own dequantised weights (exactly the same numbers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    ours = weights.load_model(None, "float32", "cpu", 1024).model.state_dict()
+    to_hf = {v: k for k, v in weights.HF_NAMES.items()}
+    to_hf.update({f"layers.{i}.{v}.weight": f"model.layers.{i}.{k}.weight" for k, v in weights.HF_LAYER_NAMES.items()
+                  for i in range(config.num_hidden_layers)})
+    state = {to_hf[name]: tensor for name, tensor in ours.items() if name in to_hf}
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert not [m for m in missing if m != "lm_head.weight"], missing
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(device).eval()
+
+
+def hf_generate(model, prompt, tokens: int, repeats: int, device, static: bool) -> dict:
+    ids = torch.tensor([prompt], device=device)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run(n):
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, top_p=None, top_k=None, temperature=None, **extra)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out[0, len(prompt):].tolist()
+
+    run(min(tokens, 16))
+    if static:
+        run(tokens)  # compiles per shape
+    runs = [run(tokens) for _ in range(repeats)]
+    return {"tok_s": tokens / statistics.median(r[0] for r in runs), "tokens": runs[0][1]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens, repeats and draft lengths")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--drafters", default="ngram,early_exit,quantized_self")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    tokens = args.tokens or (256 if cuda else 64 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 3)
+    lengths = [1, 2, 4, 8] if args.quick else list(range(1, 9))
+    dtype = "bfloat16" if cuda else "float32"
+    torch.set_num_threads(args.threads)
+    console = Console()
+    console.print(f"device {args.device}, {dtype}, threads {args.threads}, {tokens} tokens, median of {repeats}")
+
+    # Every engine below serves the same weights: load them once.
+    weights.load_model = functools.lru_cache(maxsize=None)(weights.load_model)
+    base = dict(threads=args.threads, device=args.device, dtype=dtype, max_seq_len=1024, verify_slots=1, seed=0)
+    if cuda:
+        base["cuda_graph_batch_sizes"] = [1]
+    plain_engine = Engine(EngineConfig(drafter="none", **base))
+    plain_engine.start()
+    prompts = workloads(plain_engine.tokenizer)
+    plain = {name: measure(plain_engine, prompt, tokens, repeats) for name, prompt in prompts.items()}
+    plain_engine.stop()
+
+    # (a) plain decode vs HF transformers
+    path = weights.bundled_gguf_path()
+    model = hf_model(path, getattr(torch, dtype), args.device)
+    table = Table(title="(a) plain greedy decode, bs 1, chat prompt")
+    for column in ("engine", "tok/s", "engine / this", "same tokens"):
+        table.add_column(column)
+    ours = plain["chat"]
+    table.add_row("embedded" + (" + CUDA graphs" if cuda else ""), f"{ours['tok_s']:.1f}", "1.00", "-")
+    for static in ((False, True) if cuda else (False,)):
+        hf = hf_generate(model, prompts["chat"], tokens, repeats, args.device, static)
+        table.add_row("HF generate" + (" static cache" if static else ""), f"{hf['tok_s']:.1f}",
+                      f"{ours['tok_s'] / hf['tok_s']:.2f}x", str(hf["tokens"] == ours["tokens"]))
+    console.print(table)
+
+    # (c) the sweep, from which (b) takes the best setting per workload
+    sweep = Table(title="(c) draft-length sweep (greedy)")
+    for column in ("workload", "drafter", "k", "tok/s", "vs plain", "accept length", "accept rate", "same tokens"):
+        sweep.add_column(column)
+    best = {name: ("none", 0, plain[name]) for name in prompts}
+    for drafter in args.drafters.split(","):
+        engine = Engine(EngineConfig(drafter=drafter, early_exit_layers=6, **base))
+        engine.start()
+        for name, prompt in prompts.items():
+            for k in lengths:
+                engine.update_runtime(draft_length=k)
+                result = measure(engine, prompt, tokens, repeats)
+                same = result["tokens"] == plain[name]["tokens"]
+                sweep.add_row(name, drafter, str(k), f"{result['tok_s']:.1f}",
+                              f"{result['tok_s'] / plain[name]['tok_s']:.2f}x", f"{result['accept_length']:.2f}",
+                              f"{result['accept_rate']:.2f}", str(same))
+                if same and result["tok_s"] > best[name][2]["tok_s"]:
+                    best[name] = (drafter, k, result)
+        engine.stop()
+    console.print(sweep)
+
+    table = Table(title="(b) best speculative setting vs plain decode (greedy outputs identical)")
+    for column in ("workload", "plain tok/s", "best setting", "tok/s", "speedup"):
+        table.add_column(column)
+    for name, (drafter, k, result) in best.items():
+        table.add_row(name, f"{plain[name]['tok_s']:.1f}", f"{drafter} k={k}", f"{result['tok_s']:.1f}",
+                      f"{result['tok_s'] / plain[name]['tok_s']:.2f}x")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
