@@ -177,6 +177,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "draft_length": 99}, "draft_length"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 10**20}, "top_k"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": [1, 10**9]}, "token ids"),

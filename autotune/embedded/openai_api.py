@@ -1,12 +1,13 @@
 """The OpenAI wire format of the embedded server: request validation and response bodies.
 
 Requests (`/v1/completions`, `/v1/chat/completions`) accept: `prompt` (string or token id list) or
-`messages`, `max_tokens` (or `max_completion_tokens`), `temperature` [0, 2], `top_p` (0, 1],
-`top_k` (0 or -1 = off), `repetition_penalty` (> 0), `stop` (string or list; matched on the
-detokenized text, which is cut before it), `seed`, `ignore_eos` (vLLM/SGLang extension), `n` (1 only),
-`stream`, `stream_options.include_usage`, and the extension `draft_length` (per-request k, 0..MAX_DRAFT_LENGTH).
-Unknown fields are ignored, as OpenAI-compatible servers do. Anything invalid raises BadRequest,
-which the server turns into HTTP 400 with an OpenAI-style error body.
+`messages`, `max_tokens` (or `max_completion_tokens`; default 16 for completions, the rest of the
+context for chat; always capped where the context ends, finish_reason "length"), `temperature`
+[0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10], `stop` (string or
+list; matched on the detokenized text, which is cut before it), `seed`, `ignore_eos` (vLLM/SGLang
+extension), `n` (1 only), `stream`, `stream_options.include_usage`, and the extension `draft_length`
+(per-request k, 0..MAX_DRAFT_LENGTH). Unknown fields are ignored, as OpenAI-compatible servers do.
+Anything invalid raises BadRequest, which the server turns into HTTP 400 with an OpenAI-style error.
 
 `usage` carries, besides OpenAI's prompt_tokens, completion_tokens and total_tokens, what the bench
 harness and the tuner read:
@@ -30,6 +31,7 @@ from autotune.embedded.config import GenerationEvent, SamplingParams
 from autotune.embedded.generate import MAX_DRAFT_LENGTH
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
+INT32_MAX = 2**31 - 1
 
 
 class BadRequest(Exception):
@@ -156,7 +158,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
     max_tokens = _number(body, name, None, low=1, integer=True)
     if max_tokens is None:
         max_tokens = room if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    top_k = _number(body, "top_k", 0, low=-1, integer=True)
+    top_k = _number(body, "top_k", 0, low=-1, high=INT32_MAX, integer=True)
     params = SamplingParams(
         max_tokens=min(max_tokens, room),  # the KV cache ends there; finish_reason "length" says so
         temperature=float(_number(body, "temperature", 0.0, low=0, high=2)),
@@ -164,7 +166,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         top_k=max(top_k, 0),
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, low=0, high=10, low_open=True)),
         ignore_eos=_flag(body, "ignore_eos"),
-        seed=_number(body, "seed", None, integer=True),
+        seed=_number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True),  # torch takes int64
         draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),
     )
     return ParsedRequest(
