@@ -1,0 +1,153 @@
+"""The study behind `autotune run`: real embedded engine over HTTP, real Optuna SQLite storage."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.engines.embedded import EmbeddedAdapter
+from autotune.study import driver
+
+# Tiny benchmarks: these tests are about the loop, not the numbers.
+SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False)
+# One launch configuration (only the runtime knob draft_length and the crash switch vary).
+ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
+              "dtype=float32", "quantization=none", "compile=none", "threads=1"]
+
+
+class CrashOnThreeSlots(EmbeddedAdapter):
+    """The real engine, except that verify_slots=3 starts a process that dies at startup: a failure
+    the real engine cannot be made to produce on demand."""
+
+    def command(self, config, **kw):
+        if config.get("verify_slots") == 3:
+            return [sys.executable, "-c", "import sys; print('fake engine: cannot start'); sys.exit(3)"], {}
+        return super().command(config, **kw)
+
+
+def trials_of(outcome):
+    return optuna.load_study(study_name=outcome.name, storage=outcome.storage).get_trials()
+
+
+@pytest.fixture
+def studies(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver.storage, "STUDIES_DIR", tmp_path)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_small_study_records_reuses_dedupes_and_resumes(studies):
+    opts = driver.RunOptions(trials=3, study="small", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=2"],
+                             **SMALL)
+    outcome = driver.run_study(driver.plan(opts))
+    trials = trials_of(outcome)
+    by_status = {}
+    for t in trials:
+        by_status.setdefault(t.user_attrs.get("status"), []).append(t)
+
+    # Real measurements, recorded with argv, log and metrics in the SQLite file.
+    assert (studies / "small" / "study.db").exists()
+    ok = by_status["ok"]
+    assert {t.user_attrs["config"]["draft_length"] for t in ok} == {3, 5}
+    for t in ok:
+        assert t.state == TrialState.COMPLETE and t.values[0] == t.user_attrs["metrics"]["output_tok_s"] > 0
+        assert "--drafter" in t.user_attrs["argv"] and os.path.exists(t.user_attrs["log"])
+        assert t.user_attrs["effective"]["drafter"] == "ngram"
+    # Only the runtime knob differed between the two good configs: one launch, one reuse.
+    assert {t.user_attrs["launch"] for t in ok} == {"launched", "reused"}
+    assert outcome.launches_saved >= 1
+    # Only two distinct configurations exist: further trials reuse recorded results, no launch.
+    dupes = by_status["duplicate"]
+    assert dupes and all(trials[d.user_attrs["duplicate_of"]].user_attrs["effective_key"]
+                         == d.user_attrs["effective_key"] for d in dupes)
+    assert outcome.launches == 1
+    assert (studies / "small" / "trials.parquet").exists()
+    assert json.loads((studies / "small" / "provenance.json").read_text())["model_sha256"]
+
+    # A killed run leaves a RUNNING trial; --resume marks it failed and continues the study.
+    study = optuna.load_study(study_name="small", storage=outcome.storage)
+    stale = study.ask()
+    resumed = driver.run_study(driver.plan(driver.RunOptions(**{**opts.__dict__, "resume": True, "trials": 4})))
+    after = trials_of(resumed)
+    assert resumed.stale_failed == 1
+    assert after[stale.number].state == TrialState.FAIL and after[stale.number].user_attrs["failure_kind"] == "stale"
+    assert len(after) > stale.number + 1 and not any(t.state == TrialState.RUNNING for t in after)
+
+
+@pytest.mark.slow
+def test_engine_crash_at_startup_is_recorded_and_study_goes_on(studies):
+    p = driver.plan(driver.RunOptions(trials=3, study="crash", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=3"],
+                                      **SMALL))
+    p.adapter = CrashOnThreeSlots()
+    outcome = driver.run_study(p)
+    failed = [t for t in trials_of(outcome) if t.user_attrs.get("status") == "failed"]
+    # Both configurations were tried: the first crash did not end the study.
+    assert {t.user_attrs["config"]["draft_length"] for t in failed} == {3, 5} and outcome.launches == 2
+    for t in failed:
+        assert t.user_attrs["failure_kind"] == "crash" and "cannot start" in t.user_attrs["failure"]
+        assert t.constraints["feasible"] > 0 and t.state == TrialState.PRUNED  # infeasible: TPE samples away
+        assert "fake engine" in open(t.user_attrs["log"]).read()
+
+
+@pytest.mark.slow
+def test_hardware_violation_rejected_before_launch(studies):
+    outcome = driver.run_study(driver.plan(driver.RunOptions(
+        trials=1, study="cuda-on-cpu", sets=["cuda_graph_batch_sizes=[1,2]"], **SMALL)))
+    trials = trials_of(outcome)
+    assert outcome.launches == 0 and outcome.best is None
+    assert trials and all(t.user_attrs["status"] == "rejected" and t.state == TrialState.PRUNED for t in trials)
+    assert "CUDA" in trials[0].user_attrs["failure"] and trials[0].user_attrs["failure_kind"] == "hardware"
+    assert trials[0].user_attrs["memory"]["need_gb"] > 0  # the memory estimate is recorded with it
+    assert not list((studies / "cuda-on-cpu" / "logs").iterdir())
+
+
+def cli(*args, env_dir, **kw):
+    env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(env_dir)}
+    return subprocess.Popen([sys.executable, "-m", "autotune.cli", "run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_exit_2_and_study_intact(tmp_path):
+    db = tmp_path / "keep" / "study.db"
+    db.parent.mkdir()
+    storage = f"sqlite:///{db}"
+    study = optuna.create_study(study_name="keep", storage=storage, direction="maximize")
+    study.tell(study.ask(), 1.0)
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    bad_space = tmp_path / "bad.yaml"
+    bad_space.write_text("parameters: {k: {type: int, low: 1}}\n")
+    for args in (["--set", "nope=1"], ["--space", str(bad_space)], ["--slo", "p95_ttft_ms<<5"],
+                 ["--engine", "vllm"], ["--budget", "soon"]):
+        proc = cli("--study", "keep", "--storage", storage, "--resume", *args, env_dir=tmp_path)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, err)
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, (args, err)
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    proc = cli("--study", "keep", "--storage", storage, "--set", "drafter=none", env_dir=tmp_path)  # no --resume
+    assert proc.communicate(timeout=120)[1].startswith("error: study 'keep' already exists") and proc.returncode == 2
+
+
+@pytest.mark.slow
+def test_sigint_stops_after_current_trial(tmp_path):
+    proc = cli("--study", "interrupted", "--trials", "10", "--num-requests", "2", "--concurrency", "2",
+               "--max-tokens", "8", *[a for s in ONE_SERVER + ["verify_slots=2"] for a in ("--set", s)],
+               env_dir=tmp_path)
+    log = tmp_path / "interrupted" / "logs" / "trial-0.log"
+    deadline = time.monotonic() + 180
+    while not log.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # mid-trial: the server is starting
+    out, err = proc.communicate(timeout=240)
+    assert "stopping after the current trial" in out
+    trials = optuna.load_study(study_name="interrupted", storage=f"sqlite:///{tmp_path / 'interrupted' / 'study.db'}").trials
+    finished = [t for t in trials if t.state.is_finished()]
+    assert len(finished) == 1 and finished[0].user_attrs["status"] == "ok"  # that trial ran to the end
+    assert not any(t.state == TrialState.RUNNING for t in trials)
+    assert proc.returncode == 0 and (tmp_path / "interrupted" / "trials.parquet").exists()
