@@ -31,6 +31,11 @@ from autotune.study.live import LiveView
 
 DEFAULT_TRIALS = 25
 DEFAULT_EMBEDDED_BUDGET_S = 14 * 60
+# Per-trial load when the user gives none: small for the embedded engine on a CPU (a trial is about
+# half a minute, so the default study fits its budget), a serving-sized load for SGLang/vLLM.
+DEFAULT_LOAD = {"embedded": {"concurrency": 4, "num_requests": 8, "max_tokens": 48},
+                "sglang": {"concurrency": 32, "num_requests": 128, "max_tokens": 256},
+                "vllm": {"concurrency": 32, "num_requests": 128, "max_tokens": 256}}
 MAX_IDLE_ASKS = 30  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
 
 
@@ -93,6 +98,10 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
         raise ValueError("--resume needs --study NAME (the study to continue)")
     # The embedded engine's default run must end in about 15 minutes on a small CPU machine.
     budget_s = parse_duration(budget) if budget else (DEFAULT_EMBEDDED_BUDGET_S if engine == "embedded" else None)
+    load = DEFAULT_LOAD.get(engine, {})
+    for name, value in load.items():
+        if rest.get(name) is None:
+            rest[name] = value
     return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,
                       resume=resume, study=study, **rest)
 
@@ -386,7 +395,8 @@ class BenchFailure(RuntimeError):
 
 
 def _quick_size(p: Plan) -> int:
-    return max(2, p.opts.concurrency or 4)
+    """One wave of requests at the study's concurrency: enough to see a hopeless config."""
+    return max(2, p.opts.concurrency or 1)
 
 
 def measure(p: Plan, servers: Servers, num_requests: int | None) -> dict:
