@@ -351,16 +351,20 @@ async def _openai_timing(url: str, request: dict, model: str) -> tuple[float, in
 
 @pytest.mark.slow
 def test_openai_client_agrees_on_tokens_and_ttft(embedded_server):
-    requests = [dict(r, max_tokens=6) for r in load_workload("chat").requests[:4]]
+    requests = [dict(r, max_tokens=8) for r in load_workload("chat").requests[:4]]
     model = httpx.get(embedded_server + "/v1/models").json()["data"][0]["id"]
     ours, theirs = [], []
-    for r in requests:  # interleaved, so both clients see the same machine load
-        frame = run_benchmark(embedded_server, Workload("one", [r]), num_requests=1, progress=False).requests
-        ours.append((frame["ttft_ms"].iloc[0] / 1000, frame["output_tokens"].iloc[0]))
-        theirs.append(asyncio.run(_openai_timing(embedded_server, r, model)))
-    assert [t for _, t in ours] == [t for _, t in theirs] == [6] * 4
-    ratio = statistics.median(o for o, _ in ours) / statistics.median(t for t, _ in theirs)
-    # Same server work timed by two clients; only client overhead (< 1 ms) and the other engineers' load on
-    # two cores separate them. A bias in what TTFT means (e.g. stamping the role-only first chunk) would be
-    # the whole decode of a token or more; 35% catches that and tolerates the noise.
-    assert 0.65 < ratio < 1.35, (ours, theirs)
+    for i, r in enumerate(requests):  # back to back, first of the pair alternating: both see the same load
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            if side == 0:
+                frame = run_benchmark(embedded_server, Workload("one", [r]), num_requests=1, progress=False).requests
+                ours.append((frame["ttft_ms"].iloc[0] / 1000, frame["output_tokens"].iloc[0]))
+            else:
+                theirs.append(asyncio.run(_openai_timing(embedded_server, r, model)))
+    assert [t for _, t in ours] == [t for _, t in theirs] == [8] * 4
+    ratio = statistics.median(o / t for (o, _), (t, _) in zip(ours, theirs))
+    # Same server work timed by two clients: on a quiet machine the paired median ratio is within 5% (see
+    # benchmarks/bench_client_crosscheck.py), but here other test runs share two cores and single requests
+    # swing by 2x. What this must catch is a wrong definition: stamping the role-only first chunk (sent
+    # before prefill: ratio near 0) or the end of the stream (7 more decode steps: ratio well over 2).
+    assert 0.5 < ratio < 2.0, (ours, theirs)
