@@ -247,5 +247,21 @@ def bench(
         raise typer.Exit(1)
 
 
+def main() -> None:
+    """Console entry point: a usage error (bad flag, wrong type) is one line on stderr and exit 2."""
+    from typer._click import exceptions as click_errors  # typer vendors its own click
+
+    try:
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:
+        typer.echo(e.format_message(), err=True)
+        raise SystemExit(2)
+    except click_errors.UsageError as e:
+        command = e.ctx.command_path if e.ctx else "autotune"
+        typer.echo(f"error: {e.format_message()} (see: {command} --help)", err=True)
+        raise SystemExit(2)
+    raise SystemExit(code or 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()
