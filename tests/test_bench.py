@@ -119,6 +119,7 @@ def record(index, start, chunks, tokens=None, usage_tokens=None, error=None, **u
         return rec
     rec.chunk_times_s = chunks
     rec.chunk_tokens = tokens or [1] * len(chunks)
+    rec.chunk_tokens_reported = tokens is not None
     rec.ttft_s, rec.e2e_s = chunks[0], chunks[-1] + 0.001
     rec.finish_reason = "length"
     rec.usage = {"prompt_tokens": 10, **usage}
@@ -148,6 +149,8 @@ def test_metrics_from_timestamps():
     assert s["ttft_ms_mean"] == pytest.approx(300) and s["ttft_ms_p50"] == pytest.approx(300)
     assert s["ttft_ms_p99"] == pytest.approx(200 + 200 * 0.99)  # numpy linear interpolation, as vLLM/SGLang
     assert s["itl_ms_p50"] == pytest.approx(150) and s["itl_ms_mean"] == pytest.approx(150)
+    assert s["itl_basis"] == "chunk"  # request 0's server did not report tokens per chunk
+    assert summarize(frame.iloc[[1]], 1.0)["itl_basis"] == "token"
     # accept length: tokens per verify step = 1 + accepted / steps, only over requests that report it
     assert s["accept_length"] == pytest.approx(2.0) and s["accept_rate"] == pytest.approx(0.25)
     # goodput: request 0 meets TTFT<300 and TPOT<150 (100.25); request 1's TTFT 400 misses
@@ -251,6 +254,11 @@ def test_live_open_loop_errors_and_timeouts(embedded_server):
     slow = run_benchmark(embedded_server, "chat", num_requests=1, max_tokens=96, request_timeout=0.3,
                          progress=False)
     assert slow.summary["errors_by_kind"] == {"timeout": 1} and time.monotonic() - t0 < 10
+    # a duration bound stops sending at the deadline; requests in flight then finish
+    t0 = time.monotonic()
+    timed = run_benchmark(embedded_server, "chat", duration=1.0, max_tokens=4, progress=False)
+    assert timed.summary["completed"] >= 1 and timed.summary["failed"] == 0
+    assert timed.requests["start_s"].max() < 1.0 and time.monotonic() - t0 < 20
 
 
 @pytest.mark.slow
@@ -289,7 +297,8 @@ class _Failing:
         await send({"type": "http.response.body", "body": b"overloaded"})
 
 
-def test_http_5xx_is_counted(tmp_path):
+@pytest.fixture(scope="module")
+def failing_server():
     import socket
 
     import uvicorn
@@ -302,14 +311,28 @@ def test_http_5xx_is_counted(tmp_path):
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    try:
-        result = run_benchmark(f"http://127.0.0.1:{port}/v1", "chat", concurrency=2, num_requests=4,
-                               model="m", progress=False)
-    finally:
-        server.should_exit = True
-        thread.join(5)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_http_5xx_is_counted(failing_server):
+    result = run_benchmark(failing_server + "/v1", "chat", concurrency=2, num_requests=4, model="m", progress=False)
     assert result.summary["errors_by_kind"] == {"http_5xx": 4}
     assert "overloaded" in result.requests["error"].iloc[0]
+
+
+def test_open_loop_follows_the_seeded_poisson_schedule(failing_server):
+    import random
+
+    rate, seed = 5.0, 3
+    starts = run_benchmark(failing_server, "chat", rate=rate, num_requests=5, seed=seed, model="m",
+                           progress=False).requests["start_s"].tolist()
+    rng, expected, t = random.Random(seed), [], 0.0
+    for _ in range(5):
+        expected.append(t)
+        t += rng.expovariate(rate)
+    assert starts == pytest.approx(expected, abs=0.15)
 
 
 @pytest.mark.slow

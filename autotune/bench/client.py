@@ -24,7 +24,8 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each content chunk, since send
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each content chunk
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each content chunk (1 if not reported)
+    chunk_tokens_reported: bool = False  # the server put usage on content chunks (continuous usage stats)
     usage: dict = field(default_factory=dict)  # the server's final usage (plus meta_info where given)
     finish_reason: str | None = None
     text: str = ""
@@ -117,6 +118,7 @@ def read_chunk(rec: RequestRecord, chunk: dict, t: float):
             now = usage.get("completion_tokens")
             # per-chunk usage (continuous stats) says how many tokens the chunk carried; else one each
             rec.chunk_tokens.append(max(1, now - (previous or 0)) if now is not None else 1)
+            rec.chunk_tokens_reported = rec.chunk_tokens_reported or now is not None
             rec.text += text
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]

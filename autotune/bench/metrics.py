@@ -1,8 +1,9 @@
 """Per-request table and run summary from client-side timestamps, as public serving benchmarks define them.
 
 - TTFT: send -> first chunk with text. E2E: send -> end of stream.
-- ITL: gaps between content chunks after the first; a chunk carrying n tokens (speculative decoding
-  emits several at once) counts as n gaps of gap/n, as sglang.bench_serving does, so ITL is per token.
+- ITL: gaps between content chunks after the first (vLLM's definition). Where the server reports each
+  chunk's token count (usage on every chunk), a chunk of n tokens (speculative decoding emits several
+  at once) counts as n gaps of gap/n, as sglang.bench_serving does; summary["itl_basis"] says which.
 - TPOT = (E2E - TTFT) / (output tokens - 1); decode tok/s per request = its inverse.
 - Output tok/s = output tokens of completed requests / wall time of the measured phase (vLLM, SGLang).
 - Percentiles: numpy linear interpolation (as both tools); ITL percentiles over all gaps of all requests.
@@ -39,6 +40,7 @@ def requests_frame(records: list[RequestRecord]) -> pd.DataFrame:
                "http_status": rec.http_status, "finish_reason": rec.finish_reason, "start_s": rec.start_s,
                "prompt_tokens": usage.get("prompt_tokens"), "output_tokens": out,
                "tokens_from_usage": from_usage, "chunks": len(rec.chunk_times_s),
+               "chunk_tokens_reported": rec.chunk_tokens_reported,
                "ttft_ms": ms(rec.ttft_s) if ok else None, "e2e_ms": ms(rec.e2e_s) if ok else None,
                "itl_ms": [ms(x) for x in request_itls(rec)] if ok else []}
         decode_s = (rec.e2e_s - rec.ttft_s) if ok else 0.0
@@ -48,8 +50,8 @@ def requests_frame(records: list[RequestRecord]) -> pd.DataFrame:
             row[key] = usage.get(key)
         rows.append(row)
     columns = ["index", "api", "ok", "error_kind", "error", "http_status", "finish_reason", "start_s",
-               "prompt_tokens", "output_tokens", "tokens_from_usage", "chunks", "ttft_ms", "e2e_ms", "itl_ms",
-               "tpot_ms", "decode_tok_s", *SPEC_FIELDS]
+               "prompt_tokens", "output_tokens", "tokens_from_usage", "chunks", "chunk_tokens_reported",
+               "ttft_ms", "e2e_ms", "itl_ms", "tpot_ms", "decode_tok_s", *SPEC_FIELDS]
     frame = pd.DataFrame(rows, columns=columns)
     for col in ("prompt_tokens", "ttft_ms", "e2e_ms", "tpot_ms", "decode_tok_s", *SPEC_FIELDS):
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype(float)
@@ -93,6 +95,7 @@ def summarize(frame: pd.DataFrame, duration_s: float, slo: SLO | None = None) ->
     for col in ("ttft_ms", "tpot_ms", "e2e_ms", "decode_tok_s"):
         summary.update(stats(ok[col], col))
     summary.update(stats([x for itls in ok["itl_ms"] for x in itls], "itl_ms"))
+    summary["itl_basis"] = "token" if completed and ok["chunk_tokens_reported"].all() else "chunk"
     summary.update(acceptance_from_usage(ok))
     entropy = ok["prompt_entropy"].dropna()
     summary["prompt_entropy_mean"] = float(entropy.mean()) if len(entropy) else None

@@ -156,14 +156,16 @@ def summary_table(results: list[BenchResult]) -> Table:
     table.add_column("metric")
     for r in results:
         s = r.summary
-        table.add_column(f"c={s['concurrency']}" if s["rate"] is None else f"rate={s['rate']:g}", justify="right")
+        label = " ".join(([f"c={s['concurrency']}"] if s["concurrency"] else []) +
+                         ([f"rate={s['rate']:g}"] if s["rate"] is not None else [])) or "c=1"
+        table.add_column(label, justify="right")
     rows = [("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
             ("errors", lambda s: ", ".join(f"{k}={v}" for k, v in s["errors_by_kind"].items()) or "-"),
             ("output tok/s", lambda s: fmt(s["output_tok_s"])),
             ("decode tok/s p50 (mean)", lambda s: f"{fmt(s['decode_tok_s_p50'])} ({fmt(s['decode_tok_s_mean'])})"),
             ("request/s", lambda s: fmt(s["request_throughput"], 3)),
             ("TTFT ms p50 / p99", lambda s: f"{fmt(s['ttft_ms_p50'])} / {fmt(s['ttft_ms_p99'])}"),
-            ("ITL ms p50 / p99", lambda s: f"{fmt(s['itl_ms_p50'])} / {fmt(s['itl_ms_p99'])}"),
+            ("ITL ms p50 / p99", lambda s: f"{fmt(s['itl_ms_p50'])} / {fmt(s['itl_ms_p99'])} per {s['itl_basis']}"),
             ("TPOT ms p50 / p99", lambda s: f"{fmt(s['tpot_ms_p50'])} / {fmt(s['tpot_ms_p99'])}"),
             ("E2E ms p50 / p99", lambda s: f"{fmt(s['e2e_ms_p50'])} / {fmt(s['e2e_ms_p99'])}"),
             ("accept length (rate)", lambda s: f"{fmt(s['accept_length'], 2)} ({fmt(s['accept_rate'], 2)})"),
