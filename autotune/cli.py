@@ -238,6 +238,9 @@ def bench(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        raise typer.Exit(130)
     console.print(summary_table(results))
     if out:
         paths = save_results(results, out)

@@ -28,7 +28,8 @@ async def openai_timing(url: str, request: dict, model: str) -> tuple[float, flo
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     fields = {k: v for k, v in request.items() if k not in ("api", "messages", "prompt")}
-    common = dict(model=model, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    common = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+              "extra_body": {"ignore_eos": True}}
     t0 = time.perf_counter()
     if request["api"] == "chat":
         stream = await client.chat.completions.create(messages=request["messages"], **common, **fields)

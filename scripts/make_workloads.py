@@ -180,8 +180,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     for name, requests in sets.items():
         with open(args.out / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for r in requests:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in requests)
         chat_lengths = [count_tokens(r["messages"]) for r in requests if r["api"] == "chat"]
         print(f"{name:13s} {len(requests):3d} requests, chat prompt tokens "
               f"{min(chat_lengths)}..{max(chat_lengths)}")

@@ -3,5 +3,5 @@ from .runner import BenchResult, run_benchmark, run_sweep, save_results, summary
 from .slo import SLO, parse_slo
 from .workloads import Workload, load_workload, shipped_workloads
 
-__all__ = ["BenchResult", "SLO", "Workload", "load_workload", "parse_slo", "run_benchmark", "run_sweep",
+__all__ = ["SLO", "BenchResult", "Workload", "load_workload", "parse_slo", "run_benchmark", "run_sweep",
            "save_results", "shipped_workloads", "summary_table"]

@@ -63,7 +63,7 @@ async def send(client: httpx.AsyncClient, base_url: str, request: dict, body: di
         return failed(rec, "timeout", str(e) or type(e).__name__)
     except (httpx.TransportError, httpx.StreamError, json.JSONDecodeError, UnicodeDecodeError) as e:
         return failed(rec, "stream_broken", f"{type(e).__name__}: {e}")
-    except Exception as e:  # a result, never a traceback: the run must finish and count it
+    except Exception as e:  # noqa: BLE001 - a result, never a traceback: the run must finish and count it
         return failed(rec, "other", f"{type(e).__name__}: {e}")
     return rec
 

@@ -28,7 +28,7 @@ class ResourceSampler:
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:  # no driver, no GPU, no library: nothing to sample
+        except Exception:  # noqa: BLE001 - no driver, no GPU, no library: nothing to sample
             self._nvml = None
 
     def sample(self):
@@ -36,7 +36,7 @@ class ResourceSampler:
             try:
                 used = sum(self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles)
                 self.peak_gpu_bytes = max(used, self.peak_gpu_bytes or 0)
-            except Exception:
+            except Exception:  # noqa: BLE001 - GPU lost mid-run: keep the peak seen so far
                 self._handles = []
         if self.server_pid is not None:
             rss = tree_peak_rss_kib(self.server_pid)

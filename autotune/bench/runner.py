@@ -43,8 +43,7 @@ def save_results(results: list[BenchResult], path: str | Path) -> tuple[Path, Pa
 
 
 def base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def served_model(url: str, timeout: float = 5.0) -> str:
@@ -77,7 +76,7 @@ def run_benchmark(url: str, workload: Workload | str, *, concurrency: int | None
     url = base_url(url)
     model = model or served_model(url)
     bodies = [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
-    load = dict(concurrency=concurrency, rate=rate, seed=seed, request_timeout=request_timeout)
+    load = {"concurrency": concurrency, "rate": rate, "seed": seed, "request_timeout": request_timeout}
 
     if warmup:  # from the end of the (shuffled) list, so the measured requests start cold on their own prompts
         tail = slice(len(bodies) - min(warmup, len(bodies)), None)

@@ -67,7 +67,7 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
         if not isinstance(body, dict):
-            raise ValueError(f"{path}:{n}: expected a JSON object (an OpenAI request body)")
+            raise ValueError(f"{path}:{n}: expected a JSON object (an OpenAI request body)")  # noqa: TRY004
         requests.append(checked_body(body, f"{path}:{n}"))
     return requests
 
@@ -96,7 +96,7 @@ def read_sharegpt(path: Path) -> list[dict]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e.msg})") from None
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a ShareGPT list of {{'conversations': [...]}}")
+        raise ValueError(f"{path}: expected a ShareGPT list of {{'conversations': [...]}}")  # noqa: TRY004
     requests = []
     for item in data:
         turns = item.get("conversations") if isinstance(item, dict) else None
