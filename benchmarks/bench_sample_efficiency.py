@@ -34,11 +34,11 @@ from autotune import PROJECT_ROOT
 from autotune.space import load_space
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
-GRID = {"drafter": ["none", "ngram", "early_exit", "quantized_self"], "draft_length": [2, 4, 8],
+GRID = {"drafter": ["none", "ngram", "early_exit"], "draft_length": [2, 4, 8],
         "verify_slots": [1, 2, 4, 8], "prefill_ubatch": [64, 256]}
 FIXED = {"draft_policy": "fixed", "ngram_min": 1, "ngram_max": 4, "early_exit_layers": 8, "dtype": "float32",
          "quantization": "none", "compile": "none", "cuda_graph_batch_sizes": [], "threads": None}
-LOAD = dict(workload="code", concurrency=4, num_requests=8, max_tokens=32, warmup=2)
+LOAD = dict(workload="code", concurrency=4, num_requests=4, max_tokens=32, warmup=1)
 SEEDS, TARGET = 20, 0.97
 
 
@@ -82,7 +82,7 @@ def measure():
             config = {k: v for k, v in config.items() if v is not None}
             port = free_port()
             argv, env = adapter.command(config, model=None, draft_model=None, host="127.0.0.1", port=port)
-            server = Launcher(argv, env=env, log_path=CSV.parent / "grid-logs" / f"{'-'.join(map(str, launch))}.log",
+            server = Launcher(argv, env=env, log_path=Path("/tmp") / f"grid-{'-'.join(map(str, launch))}.log",
                               health_url=f"http://127.0.0.1:{port}/health")
             t0 = time.monotonic()
             try:

@@ -196,14 +196,19 @@ class Servers:
 
 # -- the loop --------------------------------------------------------------------------------------
 class Stop:
-    """Ctrl-C: the first asks to stop after the current trial, the second interrupts it."""
+    """Ctrl-C: the first asks to stop after the current trial, the second interrupts it. SIGTERM
+    interrupts at once, still stopping the engine server and keeping every finished trial."""
 
     def __init__(self, view: LiveView):
-        self.requested, self.view, self.previous = False, view, None
+        self.requested, self.view, self.previous, self.previous_term = False, view, None, None
 
     def __enter__(self):
         self.previous = signal.signal(signal.SIGINT, self.handle)
+        self.previous_term = signal.signal(signal.SIGTERM, self.terminate)
         return self
+
+    def terminate(self, signum, frame):
+        raise KeyboardInterrupt
 
     def handle(self, signum, frame):
         if self.requested:
@@ -213,6 +218,7 @@ class Stop:
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self.previous)
+        signal.signal(signal.SIGTERM, self.previous_term)
 
 
 @dataclass
@@ -249,7 +255,7 @@ def run_study(p: Plan, console=None) -> Outcome:
     servers = Servers(p)
     view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
     measured = sum(t.user_attrs.get("measured", False) for t in study.get_trials(deepcopy=False))
-    start, idle, interrupted = time.monotonic(), 0, False
+    start, idle, interrupted, trial = time.monotonic(), 0, False, None
     durations: list[float] = []
     with view, Stop(view) as stop:
         view.show_history(study)
@@ -269,12 +275,12 @@ def run_study(p: Plan, console=None) -> Outcome:
                 else:
                     idle += 1
                 view.finished(frozen, study)
+                storage.write_trials(study, p.directory / "trials.parquet")  # current even if the run is killed
         except KeyboardInterrupt:
             interrupted = True
-            running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
-            for t in running:
-                study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
-                study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            if trial is not None and study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+                trial.set_user_attr("status", "interrupted")  # only ours: other workers may share the storage
+                study.tell(trial, state=TrialState.FAIL)
         finally:
             servers.stop()
             launches_saved = int(study.user_attrs.get("launches_saved", 0)) + servers.saved
