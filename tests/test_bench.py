@@ -158,6 +158,15 @@ def test_metrics_from_timestamps():
     assert summarize(frame, 2.0)["goodput"] is None
 
 
+def test_empty_and_non_finite_results_still_summarize_and_save(tmp_path):
+    from autotune.bench import BenchResult, save_results
+
+    s = summarize(requests_frame([]), 1.0)
+    assert (s["completed"], s["failed"], s["ttft_ms_p50"], s["accept_length"]) == (0, 0, None, None)
+    path, parquet = save_results([BenchResult(requests_frame([]), dict(s, rate=float("inf")))], tmp_path / "r.json")
+    assert json.loads(path.read_text())["summary"]["rate"] == "inf" and pd.read_parquet(parquet).empty
+
+
 def test_token_counts_fall_back_to_chunks_without_usage():
     frame = requests_frame([record(0, 0.0, [0.1, 0.2, 0.3], tokens=[1, 3, 1])])
     assert frame.iloc[0]["output_tokens"] == 5 and not frame.iloc[0]["tokens_from_usage"]

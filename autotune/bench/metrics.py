@@ -78,7 +78,7 @@ def stat_of(values: list[float], stat: str) -> float | None:
 
 
 def summarize(frame: pd.DataFrame, duration_s: float, slo: SLO | None = None) -> dict:
-    ok = frame[frame["ok"]]
+    ok = frame[frame["ok"].astype(bool)]  # boolean mask even when empty (an object column selects columns)
     duration_s = max(duration_s, 1e-9)
     completed, failed = len(ok), len(frame) - len(ok)
     summary = {"completed": completed, "failed": failed,

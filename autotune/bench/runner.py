@@ -34,12 +34,17 @@ def save_results(results: list[BenchResult], path: str | Path) -> tuple[Path, Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     frame = pd.concat([r.requests.assign(run=i) for i, r in enumerate(results)], ignore_index=True)
     rows = json.loads(frame.to_json(orient="records"))  # NaN -> null
-    doc = {"summary": results[0].summary, "requests": rows} if len(results) == 1 else \
-        {"sweep": [r.summary for r in results], "requests": rows}
+    summaries = [finite(r.summary) for r in results]
+    doc = {"summary": summaries[0], "requests": rows} if len(results) == 1 else {"sweep": summaries, "requests": rows}
     path.write_text(json.dumps(doc, indent=1, default=str, allow_nan=False) + "\n")
     parquet = path.with_suffix(".parquet")
     frame.to_parquet(parquet, index=False)
     return path, parquet
+
+
+def finite(summary: dict) -> dict:
+    """JSON has no inf/NaN: such a number (rate=inf: all at once) is written as its text."""
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
 
 
 def base_url(url: str) -> str:
