@@ -275,7 +275,7 @@ def test_killed_server_yields_counted_errors_in_bounded_time(start_embedded_serv
     server = start_embedded_server(drafter="none", verify_slots=2, max_seq_len=512)
     out = {}
     thread = threading.Thread(target=lambda: out.update(r=run_benchmark(
-        server.url, "chat", concurrency=2, num_requests=40, max_tokens=48, request_timeout=30, progress=False,
+        server.url, "chat", concurrency=2, num_requests=40, max_tokens=24, request_timeout=30, progress=False,
         server_pid=server.proc.pid)))
     t0 = time.monotonic()
     thread.start()
