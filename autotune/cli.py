@@ -1,7 +1,11 @@
 """The `autotune` command line: parses arguments, calls into the packages, prints."""
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Find, prove and hand over the fastest launch configuration of a speculative-decoding LLM server.",
+)
 
 
 # -- autotune serve: the embedded engine ------------------------------------------------------------
