@@ -1,0 +1,268 @@
+"""Export the winner of a study as files a person or a machine runs as they are.
+
+studies/<name>/best/ (or --out DIR):
+  launch.sh       the exact engine command and environment, every argument shlex-quoted; HOST, PORT
+                  (and PYTHON) may be overridden from the environment, extra engine flags appended
+                  as the script's arguments; comments carry the validated numbers, the hardware and
+                  versions, and the study it came from. Checked with `bash -n` and the engine's schema.
+  config.yaml     the engine's own config file (`sglang ... --config`, `vllm serve --config`: option
+                  names as keys); for the embedded engine, which has no config-file flag, the same
+                  YAML of `autotune serve` flags, which launch.sh passes (see `yaml_args`).
+  launch.json     everything above for machines: argv, env, config, numbers, provenance.
+  docker-run.sh   `docker run` of the engine's official image (lmsysorg/sglang, vllm/vllm-openai);
+                  the embedded engine has none (launch.json says so).
+  provenance.json the study's provenance plus what was exported from where.
+The winner comes from best/validation.json; a study never validated exports its best trial, marked so.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from autotune.validate import StudyContext, open_study, ranked
+
+FORMATS = ("sh", "yaml", "json", "docker")
+DEFAULT_PORT = {"embedded": 30000, "sglang": 30000, "vllm": 8000}
+IMAGES = {"sglang": "lmsysorg/sglang:v{version}", "vllm": "vllm/vllm-openai:v{version}"}
+NUMBERS = (("output_tok_s", "output tok/s", "{:.1f}"), ("e2e_ms_p95", "p95 e2e ms", "{:.0f}"),
+           ("ttft_ms_p95", "p95 TTFT ms", "{:.0f}"), ("itl_ms_p95", "p95 ITL ms", "{:.1f}"),
+           ("accept_length", "accept length", "{:.2f}"))
+
+
+def chosen(ctx: StudyContext) -> dict:
+    """The configuration to export: the validated winner, else (never validated) the study's best trial."""
+    path = ctx.best_dir / "validation.json"
+    if path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("winner") is None:
+            why = "; ".join(f"trial {d['trial']}: {d['reasons'][0]}" for d in doc.get("demoted", []))
+            raise ValueError(f"no configuration of {ctx.name!r} passed validation ({why or 'none measured'})")
+        w = doc["winner"]
+        return {"trial": w["trial"], "config": w["config"], "validated": True, "stats": w.get("stats") or {},
+                "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written")}
+    best = ranked(ctx)
+    if not best:
+        raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to export")
+    t = best[0]
+    stats = {k: {"median": v} for k, v in (t.user_attrs.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    return {"trial": t.number, "config": t.user_attrs.get("config") or {}, "validated": False, "stats": stats,
+            "gain": ctx.study.user_attrs.get("gain_over_default"), "settings": ctx.load}
+
+
+def command(ctx: StudyContext, config: dict) -> tuple[list[str], dict[str, str]]:
+    """argv and env at the default address; refused if the flags fail the engine's schema."""
+    from autotune.engines import get_adapter
+
+    adapter = get_adapter(ctx.engine)
+    argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
+                                port=DEFAULT_PORT[ctx.engine])
+    errors = adapter.validate_flags(argv)
+    if errors:
+        raise ValueError(f"the winner's flags fail the {ctx.engine} schema: {'; '.join(errors)}")
+    return argv, env
+
+
+# -- launch.sh -------------------------------------------------------------------------------------
+def _groups(args: list[str]) -> list[list[str]]:
+    """Flags with their values, one group per line of the script."""
+    from autotune.engines.base import is_flag
+
+    out: list[list[str]] = []
+    for a in args:
+        if is_flag(a) or not out:
+            out.append([a])
+        else:
+            out[-1].append(a)
+    return out
+
+
+def comments(ctx: StudyContext, pick: dict) -> list[str]:
+    prov, load = ctx.provenance, pick["settings"]
+    lines = [f"study: {ctx.name} (trial {pick['trial']}), storage {ctx.storage}",
+             f"objective: {ctx.objective}; workload {ctx.workload}, concurrency {load.get('concurrency')}, "
+             f"{load.get('num_requests')} requests, max_tokens {load.get('max_tokens')}"]
+    numbers = []
+    for key, label, fmt in NUMBERS:
+        s = pick["stats"].get(key) or {}
+        if s.get("median") is None:
+            continue
+        text = f"{label} {fmt.format(s['median'])}"
+        if s.get("ci95"):
+            text += f" (95% CI {fmt.format(s['ci95'][0])}..{fmt.format(s['ci95'][1])}, MAD {s['rel_mad']:.1%})"
+        numbers.append(text)
+    if pick["validated"]:
+        lines.append(f"validated {pick.get('written')}: median of {load.get('repeats')} benchmarks on a fresh server:")
+    else:
+        lines.append(f"NOT VALIDATED: measured once during the study (run `autotune validate {ctx.name}`):")
+    lines += [f"  {n}" for n in numbers]
+    if pick.get("gain"):
+        lines.append(f"  gain over the engine defaults: {pick['gain']:.2f}x")
+    lines.append(f"hardware: {hardware_line(prov)}")
+    lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions(prov).items() if v))
+    if prov.get("model"):
+        lines.append(f"model: {prov['model']} (sha256 {prov.get('model_sha256')})")
+    return lines
+
+
+def hardware_line(prov: dict) -> str:
+    hw = prov.get("hardware") or {}
+    gpus = hw.get("gpus") or []
+    if gpus:
+        names = sorted({f"{g.get('name')} ({g.get('memory_gb') or '?'} GiB)" for g in gpus})
+        text = f"{len(gpus)}x {' + '.join(names)}, driver {hw.get('driver_version')}, CUDA {hw.get('cuda_driver_version')}"
+    else:
+        cpu = hw.get("cpu") or {}
+        text = f"CPU only: {cpu.get('model')}, {cpu.get('cores')} cores, {cpu.get('ram_gb')} GB RAM"
+    profile = (hw.get("profile") or {}).get("name")
+    return text + (f" (profile {profile})" if profile else "")
+
+
+def versions(prov: dict) -> dict:
+    engine_versions = ((prov.get("hardware") or {}).get("versions") or {})
+    return {**(prov.get("versions") or {}), **{k: v for k, v in engine_versions.items() if k != "torch"}}
+
+
+def launch_script(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, str]) -> str:
+    from autotune.engines import get_adapter
+
+    port = str(DEFAULT_PORT[ctx.engine])
+    lines = ["#!/usr/bin/env bash", f"# autotune: launch the {ctx.engine} engine with the configuration tuned by study {ctx.name}"]
+    lines += [f"# {' '.join(c.splitlines())}" for c in comments(ctx, pick)]
+    lines += ["# HOST, PORT and PYTHON may be set in the environment; arguments to this script are added to the"
+              " engine's flags.", "set -euo pipefail", ""]
+    python = argv[0] == sys.executable
+    if python:
+        lines.append(f"PYTHON=${{PYTHON:-{shlex.quote(argv[0])}}}")
+    lines += ["HOST=${HOST:-127.0.0.1}", f"PORT=${{PORT:-{port}}}"]
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
+    args = get_adapter(ctx.engine).engine_args(argv)
+    entry = argv[:len(argv) - len(args)]
+    head = ['"$PYTHON"' if python else shlex.quote(entry[0]), *map(shlex.quote, entry[1:])]
+    body = []
+    for group in _groups(args):
+        if group[0] in ("--host", "--port") and len(group) == 2:
+            body.append(f'{group[0]} "${group[0][2:].upper()}"')
+        else:
+            body.append(shlex.join(group))
+    lines += ["", f"exec {' '.join(head)} \\"] + [f"  {g} \\" for g in body] + ['  "$@"']
+    return "\n".join(lines) + "\n"
+
+
+# -- config.yaml, launch.json, docker-run.sh -------------------------------------------------------
+def _scalar(text: str):
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        if str(value) == text:
+            return value
+    return text
+
+
+def config_yaml(ctx: StudyContext, pick: dict, argv: list[str]) -> str:
+    """The engine's flags (not the address) as {name: value}; flags without a value are `true`."""
+    from autotune.engines import get_adapter
+
+    options = {}
+    for group in _groups(get_adapter(ctx.engine).engine_args(argv)):
+        name, values = group[0].removeprefix("--"), group[1:]
+        if name in ("host", "port"):
+            continue
+        options[name] = True if not values else _scalar(values[0]) if len(values) == 1 else [_scalar(v) for v in values]
+    use = {"sglang": "python -m sglang.launch_server --config best/config.yaml --host 127.0.0.1 --port 30000",
+           "vllm": "vllm serve --config best/config.yaml --host 127.0.0.1 --port 8000"}.get(ctx.engine)
+    head = [f"# {ctx.engine} options of study {ctx.name}, trial {pick['trial']}"
+            + ("" if pick["validated"] else " (NOT VALIDATED)")]
+    head.append(f"# use: {use}" if use else "# `autotune serve` flags (--name value); it reads no config file: "
+                "best/launch.sh passes exactly these")
+    return "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False)
+
+
+def yaml_args(text: str) -> list[str]:
+    """config.yaml back to engine flags (what the engine's --config does)."""
+    args = []
+    for name, value in (yaml.safe_load(text) or {}).items():
+        if value is True:
+            args.append(f"--{name}")
+        elif isinstance(value, list):
+            args += [f"--{name}", *map(str, value)]
+        else:
+            args += [f"--{name}", str(value)]
+    return args
+
+
+def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str | None:
+    from autotune.engines import get_adapter
+
+    if ctx.engine not in IMAGES:
+        return None
+    adapter = get_adapter(ctx.engine)
+    port = DEFAULT_PORT[ctx.engine]
+    args = [a if prev != "--host" else "0.0.0.0" for prev, a in zip([None, *argv], argv)][len(adapter.entry):]
+    cmd = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size", "16g",
+           "-p", f"127.0.0.1:{port}:{port}", "-v", "$HOME/.cache/huggingface:/root/.cache/huggingface"]
+    for path in {ctx.model, ctx.draft_model} - {None}:
+        if Path(path).exists():  # a local checkpoint: mounted at the same path, read-only
+            cmd += ["-v", f"{path}:{path}:ro"]
+    for k, v in env.items():
+        cmd += ["-e", f"{k}={v}"]
+    cmd.append(IMAGES[ctx.engine].format(version=adapter.version))
+    if ctx.engine == "sglang":
+        cmd += ["python3", "-m", "sglang.launch_server"]
+    text = shlex.join(cmd + args)
+    return text.replace("'$HOME/.cache/huggingface:/root/.cache/huggingface'", '"$HOME/.cache/huggingface:/root/.cache/huggingface"')
+
+
+# -- all of it -------------------------------------------------------------------------------------
+def export(study: str | Path | StudyContext, *, storage: str | None = None, formats=FORMATS,
+           out: str | Path | None = None) -> list[Path]:
+    """Write the chosen formats (sh, yaml, json, docker) and provenance.json; returns the files written."""
+    ctx = study if isinstance(study, StudyContext) else open_study(study, storage)
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise ValueError(f"unknown format {', '.join(sorted(unknown))} (choose from {', '.join(FORMATS)} or all)")
+    if formats == ("docker",) and ctx.engine not in IMAGES:
+        raise ValueError(f"the {ctx.engine} engine has no official container image; use launch.sh")
+    pick = chosen(ctx)
+    argv, env = command(ctx, pick["config"])
+    directory = Path(out) if out else ctx.best_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def write(name: str, text: str, mode: int = 0o644) -> None:
+        path = directory / name
+        path.write_text(text)
+        path.chmod(mode)
+        written.append(path)
+
+    if "sh" in formats:
+        write("launch.sh", launch_script(ctx, pick, argv, env), 0o755)
+        check = subprocess.run(["bash", "-n", str(directory / "launch.sh")], capture_output=True, text=True)
+        if check.returncode:
+            raise ValueError(f"generated launch.sh does not parse: {check.stderr.strip().splitlines()[0]}")
+    if "yaml" in formats:
+        write("config.yaml", config_yaml(ctx, pick, argv))
+    docker = docker_line(ctx, argv, env)
+    if "docker" in formats and docker:
+        write("docker-run.sh", "#!/usr/bin/env bash\n# the engine's official image, same flags as launch.sh\n"
+                               f"set -euo pipefail\nexec {docker}\n", 0o755)
+    if "json" in formats:
+        doc = {"engine": ctx.engine, "study": ctx.name, "storage": ctx.storage, "trial": pick["trial"],
+               "validated": pick["validated"], "config": pick["config"], "argv": argv, "env": env,
+               "address_flags": {"host": "127.0.0.1", "port": DEFAULT_PORT[ctx.engine]},
+               "metrics": pick["stats"], "gain_over_default": pick.get("gain"), "load": pick["settings"],
+               "docker": docker, "docker_note": None if docker else f"no official image for the {ctx.engine} engine",
+               "hardware": hardware_line(ctx.provenance), "versions": versions(ctx.provenance)}
+        write("launch.json", json.dumps(doc, indent=2, default=str) + "\n")
+    provenance = {**ctx.provenance, "exported": {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "study": ctx.name,
+                                                 "storage": ctx.storage, "trial": pick["trial"],
+                                                 "validated": pick["validated"], "files": [p.name for p in written]}}
+    write("provenance.json", json.dumps(provenance, indent=2, default=str) + "\n")
+    return written
