@@ -123,6 +123,7 @@ def test_tokenizer_matches_transformers(ours, hf_tokenizer):
         ids = ours.tokenizer.encode(text)
         assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
         assert ours.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert ours.tokenizer.encode(text, add_special_tokens=True) == hf_tokenizer(text)["input_ids"]  # no BOS
     assert len(ours.tokenizer.encode(TEXTS[4])) < 12  # <|im_start|> and <|im_end|> are one token each
 
 
@@ -137,6 +138,40 @@ def test_chat_template_matches_transformers(ours, hf_tokenizer):
             expected = hf_tokenizer.apply_chat_template(messages, tokenize=False,
                                                         add_generation_prompt=add_generation_prompt)
             assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt) == expected
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    """llama/mistral-style GGUF vocabularies: scores instead of merges, byte fallback, a BOS."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from autotune.embedded.tokenizer import tokenizer_from_gguf
+
+    pieces = ["▁", *"ethlowrdanisc", "▁t", "he", "▁the", "▁a", "in", "er", "▁he", "ll", "llo",
+              "▁hello", "▁w", "or", "ld", "▁world", "▁▁", "▁▁▁▁", "an", "▁an", "▁and", "is", "▁is"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 64), (writer.add_embedding_length, 8), (writer.add_block_count, 1),
+                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_tokenizer_model, "llama"),
+                       (writer.add_token_list, tokens), (writer.add_token_types, [2, 3, 3] + [6] * 256 + [1] * len(pieces)),
+                       (writer.add_token_scores, [0.0] * 259 + [-float(i) for i in range(len(pieces))]),
+                       (writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2)):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = tokenizer_from_gguf({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("hello world", " the  and   is an", "Hello wörld 日本\n\tend", "the<s>he</s>llo"):
+        ids = ours.encode(text, add_special_tokens=True)
+        assert ids == theirs(text)["input_ids"] and ids[0] == 1, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.stop_token_ids == {2}
 
 
 def test_stream_decoder_never_splits_a_character(ours):
@@ -156,9 +191,9 @@ def write_tiny_checkpoint(directory, model_type: str, tokenizer_source) -> "torc
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(0)
-    common = dict(vocab_size=tokenizer_source.vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, eos_token_id=tokenizer_source.eos_token_id)
+    common = {"vocab_size": tokenizer_source.vocab_size, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "eos_token_id": tokenizer_source.eos_token_id}
     if model_type == "llama":
         config = LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False)
     else:

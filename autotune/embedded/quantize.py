@@ -8,9 +8,8 @@ it saves memory, not time).
 import copy as copy_module
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from autotune.embedded.model import Transformer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
@@ -59,10 +59,9 @@ class Tokenizer:
 
     # -- text <-> ids -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        """add_special_tokens=True: what the model expects around a raw prompt (a BOS for models that
+        want one); chat text from apply_chat_template already carries its own, so encode it without."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -111,9 +110,7 @@ class StreamDecoder:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        emitted = decode(self.ids[self.prefix_offset:self.read_offset])
-        text = decode(self.ids[self.prefix_offset:])
+        emitted, text = self._window()
         if len(text) <= len(emitted) or text.endswith("\ufffd"):
             return ""  # an incomplete multibyte character: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -121,23 +118,47 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back at the end of the sequence (replacement characters included)."""
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        emitted = decode(self.ids[self.prefix_offset:self.read_offset])
-        text = decode(self.ids[self.prefix_offset:])
+        emitted, text = self._window()
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(emitted):]
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text already emitted, and its text with every token so far."""
+        decode = self.tokenizer.decode
+        return (decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens),
+                decode(self.ids[self.prefix_offset:], self.skip_special_tokens))
 
 
 # -- builders -----------------------------------------------------------------------------------------
 def tokenizer_from_gguf(meta: dict) -> Tokenizer:
-    """meta: the GGUF's `tokenizer.*` fields (see weights.read_gguf_metadata)."""
+    """meta: the GGUF's fields by key (tokenizer.ggml.*, tokenizer.chat_template)."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or [1] * len(
-        meta["tokenizer.ggml.tokens"])
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        backend, whole = _byte_level_backend(meta)
+    elif kind == "llama":
+        backend, whole = _sentencepiece_backend(meta), set(tokens)
+    else:
+        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (supported: 'gpt2' byte-level BPE, 'llama')")
+    # Control tokens (<|im_end|>, <s>...) and user-defined ones must stay whole, never cut into pieces.
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, types) if k == CONTROL and t in whole])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, types) if k == USER_DEFINED and t in whole])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
+    extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
+    return Tokenizer(backend, meta.get("tokenizer.ggml.eos_token_id"), bos, meta.get("tokenizer.chat_template"), extra)
+
+
+def _byte_level_backend(meta: dict) -> tuple[BackendTokenizer, set[str]]:
+    """GPT-2 style BPE over bytes; returns the tokenizer and the tokens spelled in its byte alphabet."""
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
+    tokens = meta["tokenizer.ggml.tokens"]
     vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
@@ -153,14 +174,33 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
         supported = sorted(GPT2_STYLE_PRE | set(PRE_TOKENIZER_SPLITS))
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(supported)})")
     backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_end|>...) and user-defined ones must stay whole, never cut into bytes.
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, k in zip(tokens, types) if k == CONTROL and set(t) <= spelled])
-    backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab])
-    extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
-    return Tokenizer(backend, meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.bos_token_id"),
-                     meta.get("tokenizer.chat_template"), extra)
+    return backend, {t for t in tokens if set(t) <= spelled}
+
+
+def _sentencepiece_backend(meta: dict) -> BackendTokenizer:
+    """SentencePiece BPE (llama, mistral): "▁" for spaces, <0xNN> byte fallback, merges by score.
+
+    The file has scores, not merges: every split of a token into two vocabulary tokens is a merge,
+    ranked by the merged token's score (ties: longer left piece first), as transformers does.
+    """
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ValueError("GGUF sentencepiece tokenizer without tokenizer.ggml.scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
+        pairs = sorted((p for p in pairs if p[0] in vocab and p[1] in vocab), key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges += [(score, left, right) for left, right in pairs]
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=[(l, r) for _, l, r in merges], fuse_unk=True,
+                                   byte_fallback=True))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return backend
 
 
 def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:

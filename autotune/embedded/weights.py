@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tok
 
     try:
         reader = gguf.GGUFReader(file)
-    except Exception as e:  # the gguf package raises bare ValueErrors/struct errors on junk
+    except (ValueError, IndexError, struct.error) as e:  # what the gguf package raises on junk
         raise ValueError(f"{file} is not a readable GGUF file ({e})") from None
     meta = {k: f.contents() for k, f in reader.fields.items()}
     arch = meta.get("general.architecture")
