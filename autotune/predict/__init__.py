@@ -1,0 +1,17 @@
+"""Predict before you launch: memory per GPU and decode speed of a configuration, ranked.
+
+    model = load_model("llama-3.1-8b")            # a preset, an HF directory or a .gguf file
+    memory = predict_memory(model, config, profile, num_gpus)   # fits? KV tokens left
+    speed = predict_speed(model, config, profile, num_gpus, concurrency=8)
+    best = rank_configs(load_space("sglang"), model, profile, num_gpus, top=5)
+    calibration = Calibration.fit(trials, model, profile)        # from measured trials
+"""
+from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
+from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory
+from autotune.predict.models import ModelSpec, load_model, presets
+from autotune.predict.rank import Prediction, launch_command, rank_configs
+from autotune.predict.speed import ALPHA_PRIORS, Coefficients, SpeedEstimate, expected_tokens, predict_speed
+
+__all__ = ["ALPHA_PRIORS", "Calibration", "Coefficients", "MemoryEstimate", "ModelSpec", "Prediction", "SpeedEstimate",
+           "estimate_memory", "expected_tokens", "launch_command", "load_model", "predict_memory", "predict_speed",
+           "predict_trial", "presets", "rank_configs", "trial_from_metrics"]

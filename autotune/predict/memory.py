@@ -1,0 +1,237 @@
+"""Memory per GPU: weights, draft, KV cache per token, workspace, against the engine's memory fraction.
+
+All sizes are decimal GB (1e9 bytes), like the model cards and GPU spec sheets they are compared to.
+
+How each engine splits a GPU (what `budget` means below):
+- SGLang: `mem_fraction_static` x total memory holds the weights and the KV pool; the rest is left for
+  activations, CUDA graphs and the CUDA context (sglang/srt/model_executor/model_runner.py,
+  profile_max_num_token). Unset, SGLang picks it by TP size; we use its 0.4.x rule (server_args.py:
+  0.88 at tp 1, 0.87 tp 2, 0.85 tp 4, 0.81 tp 8).
+- vLLM: `gpu_memory_utilization` (default 0.9) x total memory is everything the instance may use;
+  the KV cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
+- embedded: no fraction; the slot cache (verify_slots x max_seq_len tokens) is allocated up front,
+  in host RAM on a CPU machine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from autotune.predict.knobs import WEIGHT_BYTES, Knobs, read_knobs
+from autotune.predict.models import ModelSpec, load_model
+
+GB = 1e9
+# CUDA context, cuBLAS and NCCL workspaces outside torch's allocator, per GPU (what nvidia-smi shows
+# beyond torch.cuda.memory_reserved on Hopper/Ampere: about 0.5 GB).
+CUDA_CONTEXT_GB = 0.5
+# CUDA graphs of the decode batch sizes: vLLM logs "Graph capturing finished ... took 0.3-0.6 GiB" for
+# its default ~67 sizes on 7-8B models; SGLang's are of the same order.
+CUDA_GRAPH_GB = 0.5
+SGLANG_DEFAULT_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}
+VLLM_DEFAULT_UTILIZATION = 0.9
+# Tokens in one forward pass when the config leaves it to the engine: SGLang's chunked_prefill_size
+# and vLLM V1's max_num_batched_tokens for the API server on large GPUs are both 8192.
+DEFAULT_BATCH_TOKENS = 8192
+DEFAULT_MAX_RUNNING = 256  # sequences whose logits the sampler holds at once
+EAGLE3_DRAFT_VOCAB = 32000  # EAGLE-3 heads predict over a reduced vocabulary (their config: draft_vocab_size)
+UNKNOWN_DRAFT_FRACTION = 1 / 16  # a separate draft checkpoint not given: assume 1/16 of the target
+
+
+@dataclass
+class MemoryEstimate:
+    fits: bool
+    weights_gb: float  # target weights per GPU
+    kv_gb_per_1k_tokens: float  # target + draft cache per GPU for 1000 tokens
+    workspace_gb: float  # activations + CUDA graphs + CUDA context per GPU
+    kv_tokens: int  # tokens the KV pool holds once everything else is placed
+    reason: str  # one line with the numbers, whether it fits or not
+    draft_gb: float = 0.0
+    total_gb: float = 0.0  # memory of one GPU (or available RAM)
+    budget_gb: float = 0.0  # what the engine lets itself use of it
+    context_len: int = 0
+    detail: dict = field(default_factory=dict)
+
+    def max_sequences(self, context_len: int | None = None) -> int:
+        """Sequences of `context_len` tokens the KV pool holds at once."""
+        return self.kv_tokens // max(1, context_len or self.context_len)
+
+    @property
+    def need_gb(self) -> float:
+        return sum(self.detail.values())
+
+    @property
+    def have_gb(self) -> float:
+        return self.total_gb
+
+    def record(self) -> dict:
+        """The numbers a pruned or launched trial keeps (rounded, JSON-ready)."""
+        return {"fits": self.fits, "weights_gb": round(self.weights_gb, 3), "draft_gb": round(self.draft_gb, 3),
+                "kv_gb_per_1k_tokens": round(self.kv_gb_per_1k_tokens, 4), "workspace_gb": round(self.workspace_gb, 3),
+                "kv_tokens": self.kv_tokens, "budget_gb": round(self.budget_gb, 3), "total_gb": round(self.total_gb, 3),
+                "reason": self.reason}
+
+
+# -- pieces -----------------------------------------------------------------------------------------
+def weights_bytes(model: ModelSpec, k: Knobs) -> float:
+    """Per GPU. Linear layers are sharded by TP at the quantized width; the embedding and the output head
+    are sharded by vocabulary (VocabParallelEmbedding / ParallelLMHead) and stay 16-bit under FP8/int4
+    (engines leave lm_head unquantized). The embedded engine's int8 also quantizes the (tied) head."""
+    dense = WEIGHT_BYTES.get(k.dtype, 2)
+    linear = model.layers * model.layer_params * k.weight_bytes
+    embed = model.embedding_params * dense
+    if k.engine == "embedded" and k.weight_bytes < dense and model.tied_embeddings:
+        embed += model.vocab * model.hidden * k.weight_bytes  # an int8 copy of the tied head
+    return (linear + embed) / k.tp
+
+
+def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) -> float:
+    """2 (K and V) x layers x KV heads on this GPU x head dim x bytes. KV heads shard over TP; with fewer
+    KV heads than GPUs each GPU keeps one (replicated)."""
+    heads_per_gpu = math.ceil(model.kv_heads / k.tp)
+    return 2 * (layers or model.cache_layers) * heads_per_gpu * model.head_dim * k.kv_bytes
+
+
+def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None) -> tuple[float, float, str]:
+    """(weights per GPU, KV bytes per token per GPU, what was assumed) of the drafter."""
+    dense = WEIGHT_BYTES.get(k.dtype, 2)
+    layer = model.layer_params * dense / k.tp
+    one_layer_kv = kv_bytes_per_token(model, k, layers=1)
+    if k.drafter == "eagle":  # one decoder layer + fc(2h -> h); embedding and head shared with the target
+        return layer + 2 * model.hidden**2 * dense / k.tp, one_layer_kv, "EAGLE head: 1 layer"
+    if k.drafter == "eagle3":  # + fc(3h -> h) and its own reduced-vocab head
+        extra = (3 * model.hidden**2 + EAGLE3_DRAFT_VOCAB * model.hidden) * dense / k.tp
+        return layer + extra, one_layer_kv, "EAGLE-3 head: 1 layer + 32k-vocab head"
+    if k.drafter == "mtp":
+        return layer + 2 * model.hidden**2 * dense / k.tp, one_layer_kv, "MTP: 1 layer"
+    if k.drafter == "quantized_self":  # an int8 copy of every linear layer and the head
+        return (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp, 0.0, "int8 copy of the target"
+    if k.drafter == "draft":
+        if draft is None:
+            guess = model.params * UNKNOWN_DRAFT_FRACTION * dense / k.tp
+            return guess, kv_bytes_per_token(model, k) * UNKNOWN_DRAFT_FRACTION, "draft checkpoint unknown: 1/16 of the target"
+        dk = replace(k, weight_bytes=dense)
+        return weights_bytes(draft, dk), kv_bytes_per_token(draft, dk), f"draft {draft.name}"
+    return 0.0, 0.0, ""  # none, n-gram lookup, early exit (the target's own layers)
+
+
+def workspace_bytes(model: ModelSpec, k: Knobs) -> float:
+    """Per GPU: the activations of the largest forward pass (hidden states, q/k/v, the MLP's gate+up
+    at the engine's batched-token budget), fp32 logits of the running sequences, CUDA graphs, context."""
+    tokens = k.max_batch_tokens or DEFAULT_BATCH_TOKENS
+    act = WEIGHT_BYTES.get(k.dtype, 2)
+    per_token = 4 * model.hidden + (2 * model.intermediate + (model.heads + 2 * model.kv_heads) * model.head_dim) / k.tp
+    logits = (k.max_running or DEFAULT_MAX_RUNNING) * k.verify_tokens * model.vocab * 4
+    graphs = CUDA_GRAPH_GB * GB if k.cuda_graphs else 0.0
+    context = CUDA_CONTEXT_GB * GB if k.engine != "embedded" or k.cuda_graphs else 0.0
+    return tokens * per_token * act + logits + graphs + context
+
+
+def gpu_memory_gb(profile) -> float:
+    """A profile's memory in GB. Spec sheets say "80GB" for 80 GiB (the driver reports 81559 MiB on an
+    H100, 143771 MiB on an H200; profiles match on memory_gib), so the number is read as GiB."""
+    return float(profile.memory_gb) * 2**30 / GB
+
+
+def _available_ram_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GB
+    except OSError:
+        pass
+    return float("inf")
+
+
+# -- the estimate -----------------------------------------------------------------------------------
+def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, engine: str | None = None,
+                   draft: ModelSpec | None = None, context_len: int | None = None) -> MemoryEstimate:
+    """Does `config` fit on `num_gpus` GPUs of `profile` (a hardware Profile; a CPU profile = host RAM),
+    and how many KV tokens are left? `context_len`: the longest sequence it must hold (default 4096 on
+    GPU engines, the embedded engine's 2048-token slots)."""
+    on_gpu = bool(profile is not None and profile.is_gpu)
+    engine = engine or engine_of(config)
+    k = read_knobs(config, engine, on_gpu)
+    context_len = context_len or (2048 if engine == "embedded" else 4096)
+    total = gpu_memory_gb(profile) if on_gpu else _available_ram_gb()
+    w = weights_bytes(model, k)
+    dw, dkv, draft_note = draft_bytes(model, k, draft)
+    kv_tok = kv_bytes_per_token(model, k) + dkv
+    ws = workspace_bytes(model, k)
+    detail = {"weights": w / GB, "draft": dw / GB, "workspace": ws / GB}
+    problems = []
+    if k.tp > max(1, num_gpus):
+        problems.append(f"tp {k.tp} needs {k.tp} GPUs, {num_gpus} given")
+    if engine == "embedded":
+        budget = total * (0.9 if on_gpu else 1.0)
+        slots = k.max_running or 4
+        detail["kv cache"] = slots * context_len * kv_tok / GB
+        kv_tokens = slots * context_len if sum(detail.values()) <= budget else 0
+    else:
+        if engine == "sglang":
+            fraction = k.mem_fraction or SGLANG_DEFAULT_FRACTION.get(k.tp, 0.81)
+            pool = fraction * total * GB - w - dw
+            if ws > (1 - fraction) * total * GB:
+                problems.append(f"workspace {ws / GB:.2f} GB exceeds the {(1 - fraction) * total:.2f} GB that "
+                                f"mem_fraction_static {fraction:.2f} leaves outside the static pool")
+        else:
+            fraction = k.mem_fraction or VLLM_DEFAULT_UTILIZATION
+            pool = fraction * total * GB - w - dw - ws
+        budget = fraction * total
+        kv_tokens = max(0, int(pool // kv_tok)) if kv_tok else 0
+        detail["kv cache"] = kv_tokens * kv_tok / GB
+        if kv_tokens < context_len:
+            problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
+    if engine == "embedded" and sum(detail.values()) > budget:
+        problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
+                        f"of {detail['kv cache']:.2f} GB")
+    parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")
+    parts += f", workspace {ws / GB:.2f} GB, KV {kv_tok * 1000 / GB:.3f} GB per 1k tokens"
+    where = f"{budget:.2f} GB usable of {total:.2f} GB" + (" per GPU" if on_gpu else " RAM")
+    if problems:
+        reason = f"does not fit: {'; '.join(problems)} ({parts}; {where}, tp {k.tp})"
+    else:
+        reason = f"fits: {kv_tokens} KV tokens = {kv_tokens // context_len} sequences of {context_len} ({parts}; {where})"
+    return MemoryEstimate(fits=not problems, weights_gb=w / GB, kv_gb_per_1k_tokens=kv_tok * 1000 / GB,
+                          workspace_gb=ws / GB, kv_tokens=kv_tokens, reason=reason, draft_gb=dw / GB, total_gb=total,
+                          budget_gb=budget, context_len=context_len, detail=detail)
+
+
+def engine_of(config: dict) -> str:
+    """Which engine's option names a config uses."""
+    if {"tp_size", "mem_fraction_static", "speculative_algorithm", "chunked_prefill_size"} & set(config):
+        return "sglang"
+    if {"tensor_parallel_size", "gpu_memory_utilization", "speculative_method", "max_num_seqs"} & set(config):
+        return "vllm"
+    return "embedded"
+
+
+# -- drop-in for autotune.space.constraints.estimate_memory ----------------------------------------
+def as_model(model) -> ModelSpec | None:
+    """A ModelSpec from a ModelSpec, a preset name, a path, or constraints.ModelShape (its shapes only:
+    hidden = heads x head_dim, vocabulary unknown, so every parameter counts as a layer weight)."""
+    if model is None or isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (str, Path)):
+        return load_model(model)
+    hidden = model.n_heads * model.head_dim
+    return ModelSpec(name="model", layers=model.n_layers, hidden=hidden, heads=model.n_heads, kv_heads=model.n_kv_heads,
+                     head_dim=model.head_dim, intermediate=4 * hidden, vocab=0, params=float(model.n_params),
+                     tied_embeddings=True)
+
+
+def estimate_memory(config: dict, hw, model, draft_model=None, max_seq_len: int | None = None,
+                    engine: str | None = None) -> MemoryEstimate | None:
+    """Same arguments as autotune.space.constraints.estimate_memory (config, probed Hardware, model shape,
+    draft shape); the model may also be a ModelSpec, preset or path. None when the model is unknown."""
+    from types import SimpleNamespace
+
+    spec = as_model(model)
+    if spec is None:
+        return None
+    gpus = int(getattr(hw, "gpu_count", 0) or 0)
+    profile = getattr(hw, "profile", None) if gpus else None
+    if gpus and profile is None:  # a GPU no profile matched: its measured memory is all we need here
+        profile = SimpleNamespace(is_gpu=True, memory_gb=hw.gpus[0].memory_gb or 0)
+    return predict_memory(spec, config, profile, gpus, engine=engine, draft=as_model(draft_model),
+                          context_len=max_seq_len)

@@ -1,0 +1,123 @@
+"""What the predictor needs to know about a model: its shapes, from a preset, an HF config.json or GGUF metadata."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PRESETS_FILE = Path(__file__).resolve().parent.parent / "data" / "model_presets.yaml"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: float  # total parameters of the checkpoint
+    tied_embeddings: bool
+    kv_layers: int | None = None  # layers holding a per-token KV cache (None: all)
+    source: str = ""
+
+    @property
+    def cache_layers(self) -> int:
+        return self.kv_layers or self.layers
+
+    @property
+    def embedding_params(self) -> float:
+        """Token embedding plus, when untied, the output head (vocab x hidden each)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer (the linear layers; norms are negligible)."""
+        return (self.params - self.embedding_params) / self.layers
+
+    def computed_params(self) -> float:
+        """Parameters implied by the shapes (attention q/k/v/o + gated MLP + embeddings + norms)."""
+        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp + 2 * self.hidden) + self.embedding_params + self.hidden
+
+
+@functools.cache
+def presets() -> dict[str, ModelSpec]:
+    data = yaml.safe_load(PRESETS_FILE.read_text())
+    return {name: ModelSpec(name=name, **{k: (float(v) if k == "params" else v) for k, v in spec.items()})
+            for name, spec in data.items()}
+
+
+def load_model(name_or_path: str | Path | None) -> ModelSpec:
+    """A preset name (case-insensitive), an HF checkpoint directory, a config.json or a .gguf file;
+    None is the bundled SmolLM2-135M GGUF. Raises ValueError (one line) for anything else."""
+    if name_or_path is None:
+        from autotune.embedded.weights import bundled_gguf_path
+
+        name_or_path = bundled_gguf_path()
+    key = str(name_or_path).strip().lower()
+    if key in presets():
+        return presets()[key]
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and path.is_file():
+        return _from_gguf(path)
+    config = path / "config.json" if path.is_dir() else path
+    if config.name.endswith(".json") and config.is_file():
+        return _from_hf_config(config)
+    raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({', '.join(presets())}), "
+                     "an HF checkpoint directory or a .gguf file")
+
+
+def _from_hf_config(file: Path) -> ModelSpec:
+    try:
+        c = json.loads(file.read_text())
+        c = c.get("text_config", c)  # multimodal checkpoints nest the language model's config
+        heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
+        layers = int(c["num_hidden_layers"])
+        kv_layers = sum(t == "full_attention" for t in c["layer_types"]) if "layer_types" in c else None
+        spec = dict(name=file.parent.name, layers=layers, hidden=hidden, heads=heads,
+                    kv_heads=int(c.get("num_key_value_heads") or heads),
+                    head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
+                    vocab=int(c["vocab_size"]), params=0.0, tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+                    kv_layers=kv_layers or None, source=str(file))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: not a usable model config ({type(e).__name__}: {e})") from None
+    model = ModelSpec(**spec)
+    total = _safetensors_params(file.parent)
+    return ModelSpec(**{**spec, "params": total or model.computed_params()})
+
+
+def _safetensors_params(directory: Path) -> float | None:
+    """The checkpoint's own parameter count where its index says so (total_size is bytes: bf16 assumed)."""
+    index = directory / "model.safetensors.index.json"
+    try:
+        return json.loads(index.read_text())["metadata"]["total_size"] / 2
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _from_gguf(file: Path) -> ModelSpec:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(file)
+        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        arch = meta["general.architecture"]
+        heads, hidden = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.embedding_length"])
+        names = {t.name for t in reader.tensors}
+        vocab = meta.get(f"{arch}.vocab_size") or next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+        return ModelSpec(
+            name=file.stem, layers=int(meta[f"{arch}.block_count"]), hidden=hidden, heads=heads,
+            kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            intermediate=int(meta[f"{arch}.feed_forward_length"]), vocab=int(vocab),
+            params=float(sum(int(t.n_elements) for t in reader.tensors)),
+            tied_embeddings="output.weight" not in names, source=str(file))
+    except Exception as e:  # the gguf package raises bare ValueErrors/struct errors on junk
+        raise ValueError(f"{file}: not a usable GGUF file ({type(e).__name__}: {e})") from None

@@ -1,0 +1,74 @@
+"""`autotune estimate`: resolve the inputs, rank, and render the PREDICTED table (or JSON)."""
+from __future__ import annotations
+
+import io
+import json
+
+from autotune.predict.models import load_model
+from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
+
+
+def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: str, draft_model: str | None,
+                    alpha: float | None, concurrency: int, context_len: int | None, top: int, as_json: bool) -> str:
+    """Raises ValueError (one line) for anything unusable."""
+    from autotune.engines import ENGINES
+    from autotune.hardware import probe
+    from autotune.space import load_space
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if alpha is not None and not 0 < alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
+    if concurrency < 1 or top < 1 or (num_gpus is not None and num_gpus < 1) or (context_len is not None and context_len < 1):
+        raise ValueError("--concurrency, --top, --num-gpus and --context-len must be at least 1")
+    spec = load_model(model)
+    draft = None
+    if draft_model:
+        try:
+            draft = load_model(draft_model)
+        except ValueError:  # a hub id or an EAGLE head: named in the command, sized by the model's rules
+            draft = None
+    hardware = probe(gpu)
+    profile = hardware.profile
+    gpus = num_gpus or max(1, hardware.gpu_count)
+    if profile is None:
+        raise ValueError("no hardware profile matches this machine's GPU; pass --gpu <profile>")
+    space = load_space(engine)
+    ranked = rank_configs(space, spec, profile, gpus, top, concurrency=concurrency, context_len=context_len,
+                          alpha=alpha, draft=draft, has_draft_model=bool(draft_model))
+    target = model_argument(spec, model)
+    rows = [{"rank": i + 1, "config": config, "changed": changed(config, space), **prediction.to_dict(),
+             "launch": launch_command(engine, config, target, draft_model)} for i, (config, prediction) in enumerate(ranked)]
+    where = f"{gpus} x {profile.name}"
+    if as_json:
+        return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine,
+                           "concurrency": concurrency, "configs": rows}, indent=2, default=str)
+    return _table(rows, spec.name, where, engine, concurrency, profile)
+
+
+def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"PREDICTED (not measured): {model} on {where}, {engine}, ranked by "
+             + (f"tok/s at concurrency {concurrency}" if concurrency > 1 else "single-stream tok/s"))
+    table = Table(title=title)
+    for col in ("#", "configuration (changed from defaults)", "tok/s 1 stream", f"tok/s @{concurrency}",
+                "tok/step", "GB/GPU", "KV tokens", "seqs", "bound"):
+        table.add_column(col, justify="left" if col.startswith("config") else "right")
+    for r in rows:
+        s, m = r["speed"], r["memory"]
+        knobs = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(engine defaults)"
+        table.add_row(str(r["rank"]), knobs, f"{s['single_tok_s']:.1f}", f"{s['concurrent_tok_s']:.1f}",
+                      f"{s['tokens_per_step']:.2f}", f"{m['weights_gb'] + m['draft_gb']:.1f}", str(m["kv_tokens"]),
+                      str(s["batch"]), s["bound"])
+    out = io.StringIO()
+    console = Console(file=out, width=160, force_terminal=False)
+    console.print(table)
+    if not rows:
+        console.print("no configuration fits: see `autotune estimate --help` for --num-gpus, --gpu")
+    note = "" if profile.is_gpu else " (CPU: no bandwidth on the profile; assumed, see autotune/predict/speed.py)"
+    console.print(f"PREDICTED launch commands{note}:")
+    for r in rows:
+        console.print(f"  {r['rank']}. {r['launch']}", soft_wrap=True)
+    return out.getvalue().rstrip()

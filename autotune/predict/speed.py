@@ -1,0 +1,214 @@
+"""Decode speed from a roofline of the hardware profile, with speculative decoding and concurrency.
+
+A decode step is a list of forward passes (the target's verify pass, the drafter's passes). Each pass
+takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak) + all-reduce
+        + step_overhead + layer_overhead * (layers run eagerly)
+Bytes: the weights once per pass plus every sequence's KV cache; FLOPs: 2 x parameters x tokens plus
+attention over the context. TP adds two all-reduces per layer of tokens x hidden activations (ring:
+2(n-1)/n of the message over the link, plus a latency). CUDA graphs replay all kernels of a pass at
+once, so only the step overhead is left (layer_overhead applies to eager passes: no graphs, or a batch
+above the largest captured one). A step yields E = (1 - a^(k+1)) / (1 - a) tokens per sequence for k
+drafted tokens accepted each with probability a. The four coefficients start at the priors below and
+are fitted per machine by Calibration (autotune/predict/calibration.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from autotune.predict.knobs import WEIGHT_BYTES, Knobs, read_knobs
+from autotune.predict.memory import EAGLE3_DRAFT_VOCAB, UNKNOWN_DRAFT_FRACTION, engine_of, kv_bytes_per_token, weights_bytes
+from autotune.predict.models import ModelSpec
+
+# Per-token acceptance priors (greedy, chain drafts), used until a study has measured accept lengths:
+ALPHA_PRIORS = {
+    "eagle": 0.75,  # EAGLE (arXiv:2401.15077): per-position acceptance 0-a ~0.74-0.79, MT-bench, 7B chat models
+    "eagle3": 0.80,  # EAGLE-3 (arXiv:2503.01840): higher and flatter n-a than EAGLE, ~0.8
+    "mtp": 0.85,  # DeepSeek-V3 report (arXiv:2412.19437, 5.4.3): 2nd-token acceptance 85-90%
+    "draft": 0.70,  # Leviathan et al. (arXiv:2211.17192), Table 3: a = 0.5-0.9 over model pairs
+    "lookup": 0.50,  # n-gram lookup: workload-bound (high on code edits, low on chat); a guess
+    "early_exit": 0.50,  # a guess; the embedded engine's measured accept lengths replace it
+    "quantized_self": 0.90,  # an int8 copy of the target agrees with it almost always; a guess
+}
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    mem_scale: float = 1 / 0.80  # decode GEMVs reach ~80% of the HBM bandwidth on the spec sheet
+    compute_scale: float = 1 / 0.60  # large bf16 GEMMs reach ~60% of the dense Tensor Core peak
+    step_overhead_s: float = 0.5e-3  # scheduling, sampling, graph launch per pass
+    layer_overhead_s: float = 40e-6  # eager kernel launches: ~10 kernels x 4 us per layer
+
+
+# No profile numbers on a CPU machine: assumed here, replaced by calibration (benchmarks/bench_predict_accuracy.py).
+CPU_BANDWIDTH_GBPS = 20.0  # a share of a server's DDR4/DDR5 channels
+CPU_GFLOPS_PER_CORE = 25.0  # fp32 AVX2 FMA at ~2 GHz, half of the theoretical 64
+CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, layer_overhead_s=200e-6)
+# All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
+NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
+DEFAULT_GRAPH_MAX_BS = {"sglang": 256, "vllm": 512}
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward pass at 100% of the hardware: the coefficients turn it into seconds."""
+    mem_s: float
+    compute_s: float
+    comm_s: float
+    eager_layers: int  # layers launched kernel by kernel (0 under a CUDA graph)
+
+    def seconds(self, c: Coefficients) -> float:
+        return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s) + self.comm_s
+                + c.step_overhead_s + c.layer_overhead_s * self.eager_layers)
+
+
+@dataclass
+class SpeedEstimate:
+    single_tok_s: float  # one stream
+    concurrent_tok_s: float  # all streams together at `concurrency`
+    per_stream_tok_s: float  # one stream's rate at `concurrency`
+    concurrency: int
+    batch: int  # sequences per step at that concurrency (capped by the engine and the KV pool)
+    tokens_per_step: float  # E per sequence
+    alpha: float | None
+    step_ms: float  # at `batch`
+    bound: str  # memory | compute, of the target's pass at `batch`
+
+
+def expected_tokens(alpha: float, k: Knobs) -> float:
+    """Tokens per sequence per step. A chain of k drafts: (1 - a^(k+1)) / (1 - a). A tree (SGLang topk > 1)
+    is read as a chain of `steps` levels where each level offers m = min(topk, (tokens-1)/steps)
+    candidates; a heuristic: the miss probability of a level falls as (1 - a) / sqrt(m) (sibling
+    candidates are correlated, so extra ones help less and less). Calibration refits a."""
+    if not k.drafter:
+        return 1.0
+    depth, a = k.verify_tokens - 1, alpha
+    if k.topk > 1:
+        depth = k.draft_steps
+        a = 1 - (1 - alpha) / math.sqrt(min(k.topk, max(1.0, (k.verify_tokens - 1) / k.draft_steps)))
+    return float(depth + 1) if a >= 1 else (1 - a ** (depth + 1)) / (1 - a)
+
+
+def alpha_from_accept_length(length: float, k: Knobs) -> float:
+    """Invert expected_tokens by bisection (it grows with alpha)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+# -- hardware numbers -------------------------------------------------------------------------------
+def _hardware(profile, k: Knobs) -> tuple[float, float, float, float]:
+    """(bandwidth B/s, peak FLOP/s, link B/s one direction, link latency s) for this config."""
+    if profile is None or not profile.is_gpu:
+        cores = os.cpu_count() or 1
+        return CPU_BANDWIDTH_GBPS * 1e9, CPU_GFLOPS_PER_CORE * 1e9 * cores, 0.0, 0.0
+    peaks = profile.peak_tflops
+    native_fp8 = k.quantization == "fp8" and profile.fp8_mode == "native"
+    dtype = "fp8" if native_fp8 else {"float32": "fp32"}.get(k.dtype, "bf16")
+    peak = (peaks.get(dtype) or peaks.get("bf16") or 1.0) * 1e12
+    link = profile.interconnect.get("nvlink") or profile.interconnect.get("pcie") or {}
+    latency = NVLINK_LATENCY_S if profile.interconnect.get("nvlink") else PCIE_LATENCY_S
+    # Profiles give NVLink/PCIe bandwidth both directions together; a ring sends one way.
+    return profile.memory_bandwidth_gbps * 1e9, peak, (link.get("bandwidth_gbps") or 32) * 1e9 / 2, latency
+
+
+def default_coefficients(profile) -> Coefficients:
+    return Coefficients() if profile is not None and profile.is_gpu else CPU_COEFFICIENTS
+
+
+# -- passes -----------------------------------------------------------------------------------------
+def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: float, attn_width: float,
+              seqs: int, tokens: int, context: float, model: ModelSpec, k: Knobs, profile, eager: bool) -> Pass:
+    """`tokens` new tokens spread over `seqs` sequences of `context` cached tokens; weights/params per GPU."""
+    bw, peak, link, latency = _hardware(profile, k)
+    mem = weight_bytes + seqs * context * kv_per_token
+    flops = 2 * params * tokens + 4 * layers * attn_width * context * tokens
+    comm = 0.0
+    if k.tp > 1:
+        message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
+        comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
+    return Pass(mem / bw, flops / peak, comm, layers if eager else 0)
+
+
+def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
+    heads = model.heads * model.head_dim * model.cache_layers / model.layers / k.tp
+    return make_pass(weights_bytes(model, k), model.params / k.tp, model.layers, kv_bytes_per_token(model, k),
+                     heads, seqs, tokens, context, model, k, profile, eager)
+
+
+def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float, eager: bool,
+                 draft: ModelSpec | None) -> list[Pass]:
+    """The drafter's passes in one step: k sequential passes of seqs x topk tokens (EAGLE-family add one
+    pass that extends the draft cache over the accepted tokens). n-gram lookup costs no GPU pass."""
+    if k.drafter in (None, "lookup"):
+        return []
+    dense = WEIGHT_BYTES.get(k.dtype, 2)
+    one_layer = model.layer_params / k.tp
+    head = model.vocab * model.hidden / k.tp
+    width = model.heads * model.head_dim / k.tp
+    if k.drafter in ("eagle", "eagle3", "mtp"):
+        head = EAGLE3_DRAFT_VOCAB * model.hidden / k.tp if k.drafter == "eagle3" else head
+        params, layers, kv = one_layer + head, 1, kv_bytes_per_token(model, k, layers=1)
+        wbytes = params * dense
+    elif k.drafter == "early_exit":
+        layers = k.early_exit_layers or 8
+        params, kv = one_layer * layers + head, kv_bytes_per_token(model, k, layers=layers)
+        wbytes = params * k.weight_bytes
+    elif k.drafter == "quantized_self":
+        params, layers, kv = model.params / k.tp, model.layers, kv_bytes_per_token(model, k)
+        wbytes = (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp
+    else:  # a separate draft checkpoint
+        d = draft or replace(model, params=model.params * UNKNOWN_DRAFT_FRACTION,
+                             layers=max(1, round(model.layers * UNKNOWN_DRAFT_FRACTION * 4)))
+        params, layers, kv = d.params / k.tp, d.layers, kv_bytes_per_token(d, k)
+        wbytes, width = params * dense, d.heads * d.head_dim / k.tp
+    one = make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.topk, context, model, k, profile, eager)
+    extend = 1 if k.drafter in ("eagle", "eagle3", "mtp") else 0
+    return [one] * (k.draft_steps + extend)
+
+
+def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
+                draft: ModelSpec | None = None) -> list[Pass]:
+    graph_max = k.graph_max_bs or DEFAULT_GRAPH_MAX_BS.get(k.engine, 0)
+    eager = not (k.cuda_graphs and batch <= graph_max)
+    verify = target_pass(model, k, profile, batch, batch * k.verify_tokens, context, eager)
+    return [verify, *draft_passes(model, k, profile, batch, context, eager, draft)]
+
+
+# -- the estimate -----------------------------------------------------------------------------------
+def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *, engine: str | None = None,
+                  concurrency: int = 1, context_len: int = 1024, alpha: float | None = None,
+                  draft: ModelSpec | None = None, calibration=None, max_sequences: int | None = None) -> SpeedEstimate:
+    """Decode tok/s for one stream and at `concurrency` streams of `context_len` cached tokens.
+    `alpha` overrides the per-token acceptance (else the calibration's, else ALPHA_PRIORS);
+    `max_sequences` caps the batch (the KV pool's sequences, from predict_memory)."""
+    engine = engine or engine_of(config)
+    k = read_knobs(config, engine, bool(profile is not None and profile.is_gpu))
+    coef = calibration.coefficients if calibration is not None else default_coefficients(profile)
+    if alpha is None and k.drafter:
+        alpha = (calibration.alphas.get(k.drafter) if calibration is not None else None) or ALPHA_PRIORS[k.drafter]
+    tokens = expected_tokens(alpha or 0.0, k)
+    batch = max(1, min(concurrency, k.max_running or concurrency, max_sequences or concurrency))
+
+    def step(b: int) -> tuple[float, list[Pass]]:
+        passes = decode_step(model, k, profile, b, context_len, draft)
+        return sum(p.seconds(coef) for p in passes), passes
+
+    single, _ = step(1)
+    t, passes = step(batch)
+    verify = passes[0]
+    bound = "memory" if coef.mem_scale * verify.mem_s >= coef.compute_scale * verify.compute_s else "compute"
+    return SpeedEstimate(single_tok_s=tokens / single, concurrent_tok_s=batch * tokens / t, per_stream_tok_s=tokens / t,
+                         concurrency=concurrency, batch=batch, tokens_per_step=tokens,
+                         alpha=alpha if k.drafter else None, step_ms=t * 1e3, bound=bound)
+
+
+def prefill_passes(model: ModelSpec, k: Knobs, profile, prompt_tokens: int) -> list[Pass]:
+    """One prompt in chunks of the engine's batched-token budget (the embedded engine's prefill_ubatch)."""
+    chunk = k.max_batch_tokens or prompt_tokens
+    chunks = max(1, math.ceil(prompt_tokens / chunk))
+    size = math.ceil(prompt_tokens / chunks)
+    return [target_pass(model, k, profile, 1, size, prompt_tokens / 2, not k.cuda_graphs)] * chunks
