@@ -254,6 +254,33 @@ def bench(
         raise typer.Exit(1)
 
 
+# -- autotune estimate: predicted memory and speed, ranked, before any launch ------------------------------
+@app.command()
+def estimate(
+    model: str = typer.Option(..., help="a preset (e.g. llama-3.1-8b, qwen3-32b), an HF checkpoint dir or a .gguf file"),
+    gpu: str = typer.Option("auto", help="auto (this machine) | cpu | a hardware profile name"),
+    num_gpus: int = typer.Option(None, help="GPUs to plan for (default: this machine's count, or 1 for a profile)"),
+    engine: str = typer.Option("sglang", help="sglang | vllm | embedded"),
+    draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head (enables the drafters that need one)"),
+    alpha: float = typer.Option(None, help="per-token draft acceptance in (0, 1) (default: a cited prior per drafter)"),
+    concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),
+    context_len: int = typer.Option(None, help="tokens one sequence must fit (default 4096; embedded: 2048)"),
+    top: int = typer.Option(10, help="configurations to show"),
+    json_output: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+):
+    """Rank an engine's configurations by PREDICTED decode tok/s and memory, without launching anything."""
+    from autotune.predict.report import estimate_report
+
+    try:
+        text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=engine, draft_model=draft_model,
+                               alpha=alpha, concurrency=concurrency, context_len=context_len, top=top,
+                               as_json=json_output)
+    except ValueError as e:
+        typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
+        raise typer.Exit(2)
+    typer.echo(text)
+
+
 def main() -> None:
     """Console entry point: a usage error (bad flag, wrong type) is one line on stderr and exit 2."""
     from typer._click import exceptions as click_errors  # typer vendors its own click
