@@ -281,6 +281,102 @@ def estimate(
     typer.echo(text)
 
 
+# -- autotune validate / export / report / show: what a study hands over ------------------------------
+_STUDY_HELP = "study name (under studies/) or its directory"
+
+
+def _fail(e: BaseException, code: int = 2):
+    typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def validate(
+    study: str = typer.Argument(..., help=_STUDY_HELP),
+    top: int = typer.Option(3, help="best distinct configurations to relaunch"),
+    repeats: int = typer.Option(3, help="benchmarks of each, on one fresh server"),
+    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
+    slo: str = typer.Option(None, help="SLO to re-check on every repeat (default: the study's)"),
+    max_noise: float = typer.Option(0.10, help="demote when the objective's MAD exceeds this share of its median"),
+    quality_prompts: int = typer.Option(4, help="greedy prompts compared with the baseline"),
+    quality_tokens: int = typer.Option(32, help="tokens generated per greedy prompt"),
+    concurrency: int = typer.Option(None, help="override the study's load"),
+    num_requests: int = typer.Option(None, help="override the study's load"),
+    max_tokens: int = typer.Option(None, help="override the study's load"),
+):
+    """Relaunch the study's best configurations fresh, benchmark each N times, write best/validation.json."""
+    from autotune import validate as validation
+
+    try:
+        doc = validation.validate(study, storage=storage, top=top, repeats=repeats, slo=slo, max_noise=max_noise,
+                                  quality_prompts=quality_prompts, quality_tokens=quality_tokens,
+                                  load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
+    except (ValueError, OSError) as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _fail(RuntimeError("interrupted"), 130)
+    for c in doc["candidates"]:
+        s = c.get("stats", {}).get(doc["metric"], {})
+        median = f"{s['median']:.4g} (MAD {s['rel_mad']:.1%})" if s.get("median") is not None else "-"
+        typer.echo(f"trial {c['trial']}: {c['status']} {doc['metric']} median {median}"
+                   + (f": {'; '.join(c['reasons'])}" if c["reasons"] else ""))
+    if doc["winner"] is None:
+        typer.echo("error: no configuration passed validation", err=True)
+        raise typer.Exit(1)
+    gain = doc["winner"]["gain_over_baseline"]
+    typer.echo(f"winner: trial {doc['winner']['trial']}" + (f", {gain:.2f}x the baseline" if gain else ""))
+
+
+@app.command()
+def export(
+    study: str = typer.Argument(..., help=_STUDY_HELP),
+    format: str = typer.Option("all", "--format", help="sh | yaml | json | docker | all (comma-separated)"),
+    out: str = typer.Option(None, help="directory (default: the study's best/)"),
+    storage: str = typer.Option(None, help="Optuna storage URL"),
+):
+    """Write the winner as launch.sh, config.yaml, launch.json, docker-run.sh and provenance.json."""
+    from autotune import export as exporter
+
+    formats = exporter.FORMATS if format == "all" else tuple(f.strip() for f in format.split(",") if f.strip())
+    try:
+        paths = exporter.export(study, storage=storage, formats=formats, out=out)
+    except (ValueError, OSError) as e:
+        _fail(e)
+    for path in paths:
+        typer.echo(str(path))
+
+
+@app.command()
+def report(
+    study: str = typer.Argument(..., help=_STUDY_HELP),
+    out: str = typer.Option(None, help="HTML file (default: the study's report.html)"),
+    png: bool = typer.Option(True, help="PNG copies of the key plots (needs Chrome/Chromium)"),
+    storage: str = typer.Option(None, help="Optuna storage URL"),
+):
+    """Write one self-contained HTML report of the study (Plotly), with PNG copies of the key plots."""
+    from autotune import report as reporter
+
+    try:
+        path = reporter.write_report(study, storage=storage, out=out, png=png)
+    except (ValueError, OSError) as e:
+        _fail(e)
+    typer.echo(str(path))
+
+
+@app.command()
+def show(
+    study: str = typer.Argument(..., help=_STUDY_HELP),
+    storage: str = typer.Option(None, help="Optuna storage URL"),
+):
+    """Print a study's summary: winner, gain, top configurations, failures."""
+    from autotune import report as reporter
+
+    try:
+        reporter.show(study, storage=storage)
+    except (ValueError, OSError) as e:
+        _fail(e)
+
+
 def main() -> None:
     """Console entry point: a usage error (bad flag, wrong type) is one line on stderr and exit 2."""
     from typer._click import exceptions as click_errors  # typer vendors its own click
