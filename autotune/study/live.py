@@ -76,7 +76,7 @@ class LiveView:
     # -- rendering --------------------------------------------------------------------------------
     def _add(self, trial):
         a = trial.user_attrs
-        m = a.get("metrics") or {}
+        m = a.get("metrics") or a.get("quick") or {}  # a pruned trial shows its quick measurement
         status = a.get("status", trial.state.name.lower())
         if status == "ok" or (status == "duplicate" and a.get("original_status") == "ok"):
             values = list(trial.values or [])
