@@ -21,8 +21,16 @@ import numpy as np
 from autotune.predict.knobs import read_knobs
 from autotune.predict.memory import engine_of
 from autotune.predict.models import ModelSpec
-from autotune.predict.speed import (ALPHA_PRIORS, Coefficients, Pass, alpha_from_accept_length, decode_step,
-                                    default_coefficients, expected_tokens, prefill_passes)
+from autotune.predict.speed import (
+    ALPHA_PRIORS,
+    Coefficients,
+    Pass,
+    alpha_from_accept_length,
+    decode_step,
+    default_coefficients,
+    expected_tokens,
+    prefill_passes,
+)
 
 NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "layer_overhead_s")
 RIDGE = 0.02  # weight of (log coefficient - log prior)^2 against the squared log errors
@@ -86,7 +94,7 @@ class Calibration:
 
     @classmethod
     def fit(cls, trials: list[dict], model: ModelSpec, profile, num_gpus: int = 1, engine: str | None = None,
-            draft: ModelSpec | None = None) -> "Calibration":
+            draft: ModelSpec | None = None) -> Calibration:
         trials = [t for t in trials if t.get("decode_tok_s") or t.get("output_tok_s")]
         if not trials:
             raise ValueError("calibration needs at least one trial with a measured decode_tok_s or output_tok_s")
@@ -119,7 +127,7 @@ class Calibration:
         coef = Coefficients(*map(float, best))
         before = _predicted_seconds(p0[None], owner, cols, len(trials))[0]
         after = _predicted_seconds(best[None], owner, cols, len(trials))[0]
-        pct = lambda pred: float(np.median(np.abs(measured / pred - 1)) * 100)  # noqa: E731 - tok/s ratio = time ratio inverted
+        pct = lambda pred: float(np.median(np.abs(measured / pred - 1)) * 100)
         return cls(coef, alphas, len(trials), pct(before), pct(after))
 
     def to_dict(self) -> dict:

@@ -66,7 +66,7 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
         return presets()[key]
     path = Path(name_or_path)
     if path.suffix == ".gguf" and path.is_file():
-        return _from_gguf(path)
+        return _from_gguf(path.resolve(), path.stat().st_mtime_ns)
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
         return _from_hf_config(config)
@@ -81,11 +81,11 @@ def _from_hf_config(file: Path) -> ModelSpec:
         heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
         layers = int(c["num_hidden_layers"])
         kv_layers = sum(t == "full_attention" for t in c["layer_types"]) if "layer_types" in c else None
-        spec = dict(name=file.parent.name, layers=layers, hidden=hidden, heads=heads,
-                    kv_heads=int(c.get("num_key_value_heads") or heads),
-                    head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
-                    vocab=int(c["vocab_size"]), params=0.0, tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-                    kv_layers=kv_layers or None, source=str(file))
+        spec = {"name": file.parent.name, "layers": layers, "hidden": hidden, "heads": heads,
+                "kv_heads": int(c.get("num_key_value_heads") or heads),
+                "head_dim": int(c.get("head_dim") or hidden // heads), "intermediate": int(c["intermediate_size"]),
+                "vocab": int(c["vocab_size"]), "params": 0.0, "tied_embeddings": bool(c.get("tie_word_embeddings", False)),
+                "kv_layers": kv_layers or None, "source": str(file)}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{file}: not a usable model config ({type(e).__name__}: {e})") from None
     model = ModelSpec(**spec)
@@ -102,7 +102,9 @@ def _safetensors_params(directory: Path) -> float | None:
         return None
 
 
-def _from_gguf(file: Path) -> ModelSpec:
+@functools.lru_cache(maxsize=8)
+def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
+    """Cached per file version: parsing a GGUF header takes seconds."""
     import gguf
 
     try:
@@ -119,5 +121,5 @@ def _from_gguf(file: Path) -> ModelSpec:
             intermediate=int(meta[f"{arch}.feed_forward_length"]), vocab=int(vocab),
             params=float(sum(int(t.n_elements) for t in reader.tensors)),
             tied_embeddings="output.weight" not in names, source=str(file))
-    except Exception as e:  # the gguf package raises bare ValueErrors/struct errors on junk
+    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueErrors/struct errors on junk
         raise ValueError(f"{file}: not a usable GGUF file ({type(e).__name__}: {e})") from None

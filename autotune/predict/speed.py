@@ -18,7 +18,13 @@ import os
 from dataclasses import dataclass, replace
 
 from autotune.predict.knobs import WEIGHT_BYTES, Knobs, read_knobs
-from autotune.predict.memory import EAGLE3_DRAFT_VOCAB, UNKNOWN_DRAFT_FRACTION, engine_of, kv_bytes_per_token, weights_bytes
+from autotune.predict.memory import (
+    EAGLE3_DRAFT_VOCAB,
+    UNKNOWN_DRAFT_FRACTION,
+    engine_of,
+    kv_bytes_per_token,
+    weights_bytes,
+)
 from autotune.predict.models import ModelSpec
 
 # Per-token acceptance priors (greedy, chain drafts), used until a study has measured accept lengths:

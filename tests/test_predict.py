@@ -1,0 +1,192 @@
+"""The memory and speed model (autotune/predict/): arithmetic checked by hand, calibration on a measured
+grid, the ranked `autotune estimate` CLI."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autotune import PROJECT_ROOT
+from autotune.hardware import get_profile, planned
+from autotune.predict import (
+    Calibration,
+    estimate_memory,
+    expected_tokens,
+    load_model,
+    predict_memory,
+    predict_speed,
+    predict_trial,
+    presets,
+    rank_configs,
+)
+from autotune.predict.knobs import read_knobs
+from autotune.predict.speed import alpha_from_accept_length
+from autotune.space import load_space
+from autotune.space.constraints import ModelShape
+
+GIB = 2**30
+H100, RTX3090 = get_profile("h100-sxm5"), get_profile("rtx-3090")
+
+
+def test_llama_3_1_8b_by_hand():
+    llama = load_model("llama-3.1-8b")
+    # config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads x 128, MLP 14336, vocab 128256, untied.
+    # per layer q,o 2*4096^2 + k,v 2*4096*1024 + MLP 3*4096*14336 + 2 norms = 218,112,000;
+    # x32 + embedding and head 2*128256*4096 + final norm = 8,030,261,248 parameters.
+    assert llama.computed_params() == 8_030_261_248
+    m = predict_memory(llama, {"tp_size": 1, "mem_fraction_static": 0.9}, H100, 1)
+    assert m.weights_gb == pytest.approx(16.06, abs=0.005)  # 8.03e9 x 2 bytes (bf16)
+    # KV per token: 2 (K, V) x 32 layers x 8 heads x 128 x 2 bytes = 131,072 B = 128 KiB
+    assert m.kv_gb_per_1k_tokens == pytest.approx(1000 * 131_072 / 1e9)
+    # SGLang: 0.9 x 80 GiB for weights + KV pool, the rest for workspace
+    assert m.fits and m.kv_tokens == int((0.9 * 80 * GIB - 16.06e9) // 131_072)
+    assert m.max_sequences(4096) == m.kv_tokens // 4096
+    tp2 = predict_memory(llama, {"tp_size": 2, "mem_fraction_static": 0.9}, H100, 2)
+    assert tp2.weights_gb == pytest.approx(m.weights_gb / 2)  # sharded linear layers and vocab-parallel embedding
+    assert tp2.kv_gb_per_1k_tokens == pytest.approx(m.kv_gb_per_1k_tokens / 2)  # 4 of the 8 KV heads per GPU
+    fp8_kv = predict_memory(llama, {"tp_size": 1, "kv_cache_dtype": "fp8_e4m3", "mem_fraction_static": 0.9}, H100, 1)
+    assert fp8_kv.kv_gb_per_1k_tokens == pytest.approx(m.kv_gb_per_1k_tokens / 2)
+    assert fp8_kv.kv_tokens == int((0.9 * 80 * GIB - 16.06e9) // 65_536)
+
+
+def test_qwen2_5_7b_by_hand():
+    qwen = load_model("qwen2.5-7b")
+    # config.json: 28 layers, hidden 3584, 4 KV heads x 128, vocab 152064, untied.
+    m = predict_memory(qwen, {"tensor_parallel_size": 1}, H100, 1)
+    assert m.weights_gb == pytest.approx(15.24, abs=0.005)  # 7.62e9 x 2 bytes
+    assert m.kv_gb_per_1k_tokens == pytest.approx(1000 * 2 * 28 * 4 * 128 * 2 / 1e9)  # 57,344 B = 56 KiB per token
+    # FP8 weights: the 6.53e9 linear-layer parameters at 1 byte; embedding + head (2 x 152064 x 3584 =
+    # 1,089,994,752) stay bf16: 7.62e9 - 1.09e9 + 2 x 1.09e9 = 8.71 GB.
+    fp8 = predict_memory(qwen, {"tensor_parallel_size": 1, "quantization": "fp8"}, H100, 1)
+    assert fp8.weights_gb == pytest.approx((7.62e9 - 1_089_994_752 + 2 * 1_089_994_752) / 1e9)
+    # TP 8 with 4 KV heads: each GPU keeps one head (replicated), not half of one.
+    tp8 = predict_memory(qwen, {"tensor_parallel_size": 8}, H100, 8)
+    assert tp8.kv_gb_per_1k_tokens == pytest.approx(1000 * 2 * 28 * 1 * 128 * 2 / 1e9)
+    # vLLM: 0.9 of the GPU for everything; the KV cache gets what weights and workspace leave.
+    assert m.kv_tokens == int((0.9 * 80 * GIB - 15.24e9 - m.workspace_gb * 1e9) // 57_344)
+
+
+def test_27b_bf16_refused_on_one_rtx_3090_with_the_numbers():
+    gemma = load_model("gemma-2-27b")
+    m = predict_memory(gemma, {"tp_size": 1}, RTX3090, 1)
+    assert not m.fits and m.kv_tokens == 0
+    assert m.weights_gb == pytest.approx(54.4)  # 27.2e9 x 2 bytes
+    assert m.reason.startswith("does not fit") and "54.40 GB" in m.reason and "25.77 GB" in m.reason  # 24 GiB
+    halves = predict_memory(gemma, {"tp_size": 4, "quantization": "w8a16_fp8"}, RTX3090, 4)
+    assert halves.fits, halves.reason
+
+
+@pytest.mark.slow  # parses the bundled GGUF header (seconds on a busy machine; cached for the later tests)
+def test_presets_agree_with_their_shapes_and_sources():
+    for name, spec in presets().items():
+        assert spec.source.startswith("https://huggingface.co/") and spec.source.endswith("config.json")
+        if spec.kv_layers is None:  # hybrid models carry layers these shapes do not describe
+            assert spec.computed_params() == pytest.approx(spec.params, rel=0.01), name
+    bundled = load_model(None)  # GGUF metadata of the bundled SmolLM2-135M
+    smol = presets()["smollm2-135m"]
+    assert (bundled.layers, bundled.hidden, bundled.kv_heads, bundled.head_dim, bundled.vocab, bundled.tied_embeddings) == (
+        smol.layers, smol.hidden, smol.kv_heads, smol.head_dim, smol.vocab, smol.tied_embeddings)
+
+
+def test_hf_config_directory(tmp_path):
+    config = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    m = load_model(tmp_path)
+    assert (m.head_dim, m.kv_heads) == (64, 2)
+    # 4 x (2*256*256 + 2*256*128 + 3*256*512 + 2*256) + 1000*256 + 256
+    assert m.params == 4 * (131072 + 65536 + 393216 + 512) + 256000 + 256
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model(tmp_path / "missing")
+
+
+def test_drop_in_for_the_constraints_estimate():
+    smol = load_model(None)
+    shape = ModelShape(smol.layers, smol.heads, smol.kv_heads, smol.head_dim, int(smol.params))  # what the driver holds
+    fit = estimate_memory({"verify_slots": 4096, "dtype": "float32"}, planned(H100), shape)
+    assert not fit.fits and "4096 x 2048-token slot cache" in fit.reason
+    small = estimate_memory({"verify_slots": 4, "dtype": "float32"}, planned(H100), shape)
+    assert small.fits and small.record()["weights_gb"] == pytest.approx(134_515_008 * 4 / 1e9, abs=1e-3)
+    assert estimate_memory({}, None, None) is None
+
+
+def test_speculative_arithmetic():
+    k = read_knobs({"speculative_method": "eagle", "num_speculative_tokens": 3}, "vllm")
+    assert expected_tokens(0.8, k) == pytest.approx((1 - 0.8**4) / 0.2)  # 2.952
+    assert expected_tokens(0.0, k) == 1.0
+    assert alpha_from_accept_length(2.952, k) == pytest.approx(0.8, abs=1e-3)
+    # SGLang runs steps+1 tokens when topk is 1, whatever --speculative-num-draft-tokens says
+    sg = read_knobs({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                     "speculative_num_draft_tokens": 16}, "sglang")
+    assert sg.verify_tokens == 4
+
+
+def test_speed_terms():
+    llama = load_model("llama-3.1-8b")
+    graphs = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1)
+    eager = predict_speed(llama, {"tensor_parallel_size": 1, "enforce_eager": True}, H100, 1)
+    # eager passes pay 40 us of kernel launches per layer: 32 x 40 us per step
+    assert 1 / eager.single_tok_s - 1 / graphs.single_tok_s == pytest.approx(32 * 40e-6)
+    # memory-bound at batch 1: 16.06 GB / (3.35 TB/s x 0.8) + 0.5 ms overhead, plus the KV of 1024 cached tokens
+    assert graphs.bound == "memory" and 1 / graphs.single_tok_s == pytest.approx(
+        (16.06e9 + 1024 * 131072) / (3350e9 * 0.8) + 0.5e-3, rel=1e-3)
+    batched = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1, concurrency=16)
+    assert batched.concurrent_tok_s > 10 * graphs.single_tok_s and batched.per_stream_tok_s < graphs.single_tok_s
+    spec = predict_speed(llama, {"tensor_parallel_size": 1, "speculative_method": "eagle", "num_speculative_tokens": 3},
+                         H100, 1, alpha=0.8)
+    assert spec.tokens_per_step == pytest.approx(2.952, abs=1e-3) and spec.single_tok_s > graphs.single_tok_s
+    tp2 = predict_speed(llama, {"tensor_parallel_size": 2}, H100, 2)
+    assert graphs.single_tok_s < tp2.single_tok_s < 2 * graphs.single_tok_s  # all-reduces eat part of the gain
+
+
+def _grid_trials():
+    """The embedded engine's measured grid on this CPU (benchmarks/bench_sample_efficiency.py)."""
+    path = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
+    rows = csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#"))
+    trials = []
+    for r in rows:
+        if r["error"] or not r["output_tok_s"]:
+            continue
+        config = {"drafter": r["drafter"], "verify_slots": int(r["verify_slots"]), "prefill_ubatch": int(r["prefill_ubatch"]),
+                  "dtype": "float32", "early_exit_layers": 8, "draft_length": int(r["draft_length"] or 0) or None}
+        trials.append({"config": config, "concurrency": 4, "num_requests": 4, "output_tokens": 32, "prompt_tokens": 200,
+                       "output_tok_s": float(r["output_tok_s"]), "accept_length": float(r["accept_length"] or 1)})
+    return trials
+
+
+def test_calibration_reduces_the_error_on_the_measured_cpu_grid():
+    trials = _grid_trials()
+    assert len(trials) >= 4
+    smol, cpu = load_model(None), get_profile("cpu")
+    cal = Calibration.fit(trials, smol, cpu)
+    errors = [(abs(predict_trial(t, smol, cpu) / t["output_tok_s"] - 1),
+               abs(predict_trial(t, smol, cpu, calibration=cal) / t["output_tok_s"] - 1)) for t in trials]
+    before = sorted(e[0] for e in errors)[len(errors) // 2]
+    after = sorted(e[1] for e in errors)[len(errors) // 2]
+    assert after < before and cal.error_after < cal.error_before
+    assert cal.coefficients != Calibration.fit(trials[:1], smol, cpu).coefficients  # the data moves the fit
+
+
+def test_rank_configs_respects_hardware_and_memory():
+    space, qwen = load_space("sglang"), load_model("qwen3-32b")
+    assert rank_configs(space, qwen, RTX3090, 1) == []  # 32.8 GB even in FP8 weights: nothing fits 24 GiB
+    ranked = rank_configs(space, qwen, RTX3090, 2, top=50)
+    assert ranked and all(c["tp_size"] == 2 and c["quantization"] == "w8a16_fp8" for c, _ in ranked)  # Marlin, no W8A8
+    assert all(c["speculative_algorithm"] in ("none", "NGRAM") for c, _ in ranked)  # no draft model given
+    speeds = [p.speed.single_tok_s for _, p in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_estimate_cli(tmp_path):
+    run = [sys.executable, "-m", "autotune.cli", "estimate", "--gpu", "h200-sxm", "--num-gpus", "2", "--model", "llama-3.1-8b"]
+    out = subprocess.run([*run, "--top", "3", "--concurrency", "8", "--json"], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["predicted"] and len(report["configs"]) == 3
+    rates = [c["speed"]["concurrent_tok_s"] for c in report["configs"]]
+    assert rates == sorted(rates, reverse=True) and "sglang.launch_server" in report["configs"][0]["launch"]
+    table = subprocess.run([*run, "--top", "2", "--engine", "vllm"], check=False, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "PREDICTED" in table.stdout and "vllm.entrypoints.cli.main serve" in table.stdout
+    bad = subprocess.run([*run[:-1], "no-such-model"], check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model") and len(bad.stderr.splitlines()) == 1
