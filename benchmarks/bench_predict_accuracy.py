@@ -111,7 +111,7 @@ def cpu_grid() -> dict:
         cal = Calibration.fit(rest, smol, cpu)
         loo.append(predict_trial({**held, "accept_length": None}, smol, cpu, calibration=cal))
         mean_peer.append(statistics.mean(t["output_tok_s"] for t in rest))
-    med = lambda preds: statistics.median(_err(p, m) for p, m in zip(preds, measured))  # noqa: E731
+    med = lambda preds: statistics.median(_err(p, m) for p, m in zip(preds, measured))
     return {"trials": len(trials), "prompt_tokens": trials[0]["prompt_tokens"],
             "median_abs_pct_error": {"priors": med(prior), "calibrated_in_sample": med(in_sample),
                                      "calibrated_leave_one_out": med(loo), "peer_mean_of_others_leave_one_out": med(mean_peer)},

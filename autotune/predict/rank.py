@@ -6,6 +6,7 @@ import dataclasses
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from autotune.predict.memory import MemoryEstimate, predict_memory
 from autotune.predict.models import ModelSpec
@@ -105,7 +106,7 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
     return ranked[:top]
 
 
-def launch_command(engine: str, config: dict, model: str, draft_model: str | None = None,
+def launch_command(engine: str, config: dict, model: str | None, draft_model: str | None = None,
                    host: str = "127.0.0.1", port: int = 30000) -> str:
     """The engine's launch command for `config` as one shell line (environment first, quoted)."""
     from autotune.engines import get_adapter
@@ -115,9 +116,14 @@ def launch_command(engine: str, config: dict, model: str, draft_model: str | Non
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(argv)])
 
 
-def model_argument(model: ModelSpec, given: str) -> str:
-    """What the engine is told to load: a preset's Hugging Face repo, else the path given."""
+def model_argument(model: ModelSpec, given: str, engine: str) -> str | None:
+    """What the engine is told to load: a path as given; for a preset, its Hugging Face repo (the embedded
+    engine loads local files only: its bundled SmolLM2 for that preset, None = its default)."""
     marker = "huggingface.co/"
+    if Path(given).exists():
+        return given
+    if engine == "embedded":
+        return None if model.name == "smollm2-135m" else given
     if model.source.startswith("https://") and marker in model.source:
         return "/".join(model.source.split(marker, 1)[1].split("/")[:2])
     return given

@@ -36,7 +36,7 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: str, 
     space = load_space(engine)
     ranked = rank_configs(space, spec, profile, gpus, top, concurrency=concurrency, context_len=context_len,
                           alpha=alpha, draft=draft, has_draft_model=bool(draft_model))
-    target = model_argument(spec, model)
+    target = model_argument(spec, model, engine)
     rows = [{"rank": i + 1, "config": config, "changed": changed(config, space), **prediction.to_dict(),
              "launch": launch_command(engine, config, target, draft_model)} for i, (config, prediction) in enumerate(ranked)]
     where = f"{gpus} x {profile.name}"
