@@ -180,7 +180,9 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, e
         budget = fraction * total
         kv_tokens = max(0, int(pool // kv_tok)) if kv_tok else 0
         detail["kv cache"] = kv_tokens * kv_tok / GB
-        if kv_tokens < context_len:
+        if pool <= 0:
+            problems.insert(0, f"weights alone take {(w + dw) / GB:.2f} GB of the {budget:.2f} GB usable per GPU")
+        elif kv_tokens < context_len:
             problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
     if engine == "embedded" and sum(detail.values()) > budget:
         problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
