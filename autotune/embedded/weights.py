@@ -164,7 +164,10 @@ def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tok
     )
     state = {}
     for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        try:
+            values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        except NotImplementedError:
+            raise ValueError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which gguf cannot dequantise") from None
         tensor = torch.from_numpy(np.array(values, dtype=np.float32))
         if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):
             tensor = _unpermute(tensor, args.n_heads if ".attn_q." in t.name else args.n_kv_heads)
@@ -203,6 +206,8 @@ def read_hf_dir(directory: Path, max_seq_len: int | None) -> tuple[ModelArgs, di
         raise ValueError(f"{directory}: model_type {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
         raise ValueError(f"{directory}: llama with attention_bias/mlp_bias is not supported")
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        raise ValueError(f"{directory}: sliding-window attention is not supported")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"{directory}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
