@@ -171,6 +171,9 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
         ids = ours.encode(text, add_special_tokens=True)
         assert ids == theirs(text)["input_ids"] and ids[0] == 1, text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        stream = StreamDecoder(ours)  # byte-fallback pieces and the stripped leading space, streamed
+        pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+        assert "".join(pieces) == ours.decode(ids) and "\ufffd" not in "".join(pieces)
     assert ours.stop_token_ids == {2}
 
 
