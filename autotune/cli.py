@@ -324,7 +324,8 @@ def validate(
         typer.echo("error: no configuration passed validation", err=True)
         raise typer.Exit(1)
     gain = doc["winner"]["gain_over_baseline"]
-    typer.echo(f"winner: trial {doc['winner']['trial']}" + (f", {gain:.2f}x the baseline" if gain else ""))
+    typer.echo(f"winner: trial {doc['winner']['trial']}" + (f", {gain:.2f}x the baseline" if gain else "")
+               + (f" (warning: {doc['winner']['warning']})" if doc["winner"].get("warning") else ""))
 
 
 @app.command()

@@ -45,7 +45,8 @@ def chosen(ctx: StudyContext) -> dict:
             raise ValueError(f"no configuration of {ctx.name!r} passed validation ({why or 'none measured'})")
         w = doc["winner"]
         return {"trial": w["trial"], "config": w["config"], "validated": True, "stats": w.get("stats") or {},
-                "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written")}
+                "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written"),
+                "warning": w.get("warning")}
     best = ranked(ctx)
     if not best:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to export")
@@ -103,6 +104,8 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
     lines += [f"  {n}" for n in numbers]
     if pick.get("gain"):
         lines.append(f"  gain over the engine defaults: {pick['gain']:.2f}x")
+    if pick.get("warning"):
+        lines.append(f"WARNING: {pick['warning']}")
     lines.append(f"hardware: {hardware_line(prov)}")
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions(prov).items() if v))
     if prov.get("model"):

@@ -273,6 +273,8 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
         gain = f", {w['gain_over_baseline']:.2f}x the baseline" if w.get("gain_over_baseline") else ""
         lines.append(f"validated winner: trial {w['trial']}, {metric} median {s['median']:.4g} "
                      f"(95% CI {s['ci95'][0]:.4g}..{s['ci95'][1]:.4g}) over {len(s['values'])} repeats{gain}")
+        if w.get("warning"):
+            lines.append(f"warning: {w['warning']}")
     elif validation:
         lines.append("validation: no configuration passed")
     best = ranked(ctx)

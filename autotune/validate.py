@@ -9,6 +9,8 @@ interval of the median. A configuration is demoted, with the reason written down
 launch, has errors, misses an SLO in any repeat, is noisy (MAD above `max_noise` of the median), or
 changes the greedy output of the baseline where its numerics (dtype, quantization, ...) are the
 baseline's: speculative decoding with greedy verification must reproduce plain greedy decoding.
+The winner is the best configuration that passes everything; noise alone only ranks a configuration
+below the steady ones (if all are noisy, the best still wins, with the warning written down).
 
 `validate(study)` writes studies/<name>/best/validation.json and the per-request tables of every
 repeat to studies/<name>/validation/<label>-repeat-<r>.parquet. `finish_study` is what
@@ -323,7 +325,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
             rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
             rec["status"] = "demoted" if rec["reasons"] else "passed"
             results.append(rec)
-    winner = _pick(results, metric, direction)
+    winner, warning = _pick(results, metric, direction)
     doc = {"study": ctx.name, "storage": ctx.storage, "engine": ctx.engine, "objective": ctx.objective,
            "metric": metric, "direction": direction, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "settings": {"top": top, "repeats": repeats, "slo": slo_text, "max_noise": max_noise,
@@ -341,7 +343,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
             gain = win_median / base_median if direction == "maximize" else base_median / win_median
         doc["winner"] = {"trial": winner["trial"], "config": winner["config"], "argv": winner["argv"],
                          "env": winner["env"], "median": win_median, "gain_over_baseline": gain,
-                         "stats": winner["stats"]}
+                         "stats": winner["stats"], "warning": warning}
         ctx.study.set_user_attr("validated_best_trial", winner["trial"])
     ctx.best_dir.mkdir(parents=True, exist_ok=True)
     (ctx.best_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -354,12 +356,18 @@ def _effective(ctx: StudyContext, config: dict) -> dict:
     return get_adapter(ctx.engine).effective(config)
 
 
-def _pick(results: list[dict], metric: str, direction: str) -> dict | None:
-    passed = [r for r in results if not r["reasons"] and r["stats"][metric]["median"] is not None]
-    if not passed:
-        return None
+def _pick(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
+    """The best configuration that passed everything. Noise only demotes: when every survivor is
+    noisy, the best of them still wins, with a warning (a launch.sh beats none; the spread is written)."""
+    measured = [r for r in results if r.get("stats") and r["stats"][metric]["median"] is not None]
+    passed = [r for r in measured if not r["reasons"]]
+    noisy = [r for r in measured if r["reasons"] and all(x.startswith("noisy:") for x in r["reasons"])]
+    pool = passed or noisy
+    if not pool:
+        return None, None
     pick = max if direction == "maximize" else min
-    return pick(passed, key=lambda r: r["stats"][metric]["median"])
+    best = pick(pool, key=lambda r: r["stats"][metric]["median"])
+    return best, None if passed else f"no configuration was steady: trial {best['trial']} wins with {best['reasons'][0]}"
 
 
 def _public(rec: dict) -> dict:

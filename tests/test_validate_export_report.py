@@ -1,0 +1,201 @@
+"""What a study hands over: validation, exported launch files, the HTML report, `autotune show`.
+
+One small real study (embedded engine, SQLite) is shared by the module: the engines' defaults, a
+prompt-lookup configuration, and one launch that crashes (the only fake: a crash on demand).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import optuna
+import pandas as pd
+import pytest
+import yaml
+
+from autotune import export, report, validate
+from autotune.engines.embedded import EmbeddedAdapter
+from autotune.engines.launcher import free_port
+from autotune.study import driver
+
+SETS = ["drafter=none,ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",
+        "verify_slots=2", "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
+LOAD = {"num_requests": 2, "max_tokens": 8}
+
+
+class CrashOnSecondLaunch(EmbeddedAdapter):
+    """The real engine, except that its second launch dies at startup (a failure on demand)."""
+
+    launches = 0
+
+    def command(self, config, **kw):
+        CrashOnSecondLaunch.launches += 1
+        if CrashOnSecondLaunch.launches == 2:
+            return [sys.executable, "-c", "import sys; print('fake engine: cannot start'); sys.exit(3)"], {}
+        return super().command(config, **kw)
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("studies")
+    opts = driver.RunOptions(trials=3, study="handover", studies_root=str(root), workload="chat", concurrency=2,
+                             quick_requests=1, live=False, sets=SETS, **LOAD)
+    plan = driver.plan(opts)
+    plan.adapter = CrashOnSecondLaunch()
+    driver.run_study(plan)
+    return root / "handover"
+
+
+@pytest.fixture(scope="module")
+def validated(study_dir):
+    return validate.validate(study_dir, top=2, repeats=2, quality_prompts=2, quality_tokens=8, load=LOAD, progress=False)
+
+
+@pytest.fixture(scope="module")
+def exported(study_dir, validated):
+    return export.export(study_dir)
+
+
+@pytest.mark.slow
+def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated):
+    doc = json.loads((study_dir / "best" / "validation.json").read_text())
+    assert doc == json.loads(json.dumps(validated, default=str))
+    study = optuna.load_study(study_name="handover", storage=f"sqlite:///{study_dir / 'study.db'}")  # plain Optuna
+    trials = study.get_trials()
+    assert any(t.user_attrs.get("status") == "failed" for t in trials)  # the crash is recorded, and skipped
+    ok = {t.number for t in trials if validate.is_ok(t)}
+    assert {c["trial"] for c in doc["candidates"]} <= ok and len(doc["candidates"]) == 2
+    for c in doc["candidates"]:
+        tok_s = c["stats"]["output_tok_s"]
+        assert len(tok_s["values"]) == 2 and tok_s["median"] > 0
+        assert tok_s["ci95"][0] <= tok_s["median"] <= tok_s["ci95"][1] and tok_s["mad"] >= 0
+        # Greedy verification: prompt lookup reproduces plain greedy decoding token for token.
+        assert c["quality"] == {"mode": "exact", "checked": True, "prompts": 2, "identical": 2}
+        for path in c["request_files"]:
+            frame = pd.read_parquet(path)
+            assert len(frame) == 2 and {"ttft_ms", "e2e_ms", "accept_length", "prompt_entropy"} <= set(frame.columns)
+    winner = doc["winner"]
+    # The best that passed everything; noise alone only demotes (the best noisy one wins if none is steady).
+    passed = [c for c in doc["candidates"] if c["status"] == "passed"]
+    noisy = [c for c in doc["candidates"] if c["reasons"] and all(r.startswith("noisy:") for r in c["reasons"])]
+    assert winner is not None, doc["demoted"]
+    assert winner["trial"] == max(passed or noisy, key=lambda c: c["stats"]["output_tok_s"]["median"])["trial"]
+    assert (winner["warning"] is None) == bool(passed)
+    assert winner["gain_over_baseline"] > 0 and doc["baseline"]["config"]["drafter"] == "none"
+    assert study.user_attrs["validated_best_trial"] == winner["trial"]
+
+
+@pytest.mark.slow
+def test_judge_demotes_with_reasons(study_dir, validated):
+    from autotune.bench import parse_slo
+
+    ctx = validate.open_study(study_dir)
+    rec = {**validated["candidates"][0], "runs": [{"error_rate": 0.0, "ttft_ms_p95": 50.0}, {"error_rate": 0.5,
+                                                  "errors_by_kind": {"http": 1}, "ttft_ms_p95": 900.0}]}
+    rec["stats"] = {"output_tok_s": validate.spread([10.0, 14.0, 10.5])}
+    reasons = validate.judge(ctx, rec, parse_slo("p95_ttft_ms<100"), max_noise=0.02)
+    assert any(r.startswith("flaky: repeat 1 had errors") for r in reasons)
+    assert any(r.startswith("slo: repeat 1 p95_ttft_ms<100") for r in reasons)
+    assert not any(r.startswith("slo: repeat 0") for r in reasons)
+    assert any(r.startswith("noisy: output_tok_s MAD 5% of the median > 2%") for r in reasons)
+    assert validate.judge(ctx, {"failure": "launch crash: exited"}, None, 0.1) == ["flaky: launch crash: exited"]
+
+
+def test_spread_and_first_divergence():
+    s = validate.spread([1.0, 2.0, 10.0])
+    assert s["median"] == 2.0 and s["mad"] == 1.0 and s["rel_mad"] == 0.5 and 1.0 <= s["ci95"][0] <= s["ci95"][1] <= 10.0
+    d = validate.first_divergence("def add(a, b): return a + b", "def add(a, b): return a - b")
+    assert d["char"] == 24 and d["word"] == 5 and d["baseline"].endswith("a + b") and d["candidate"].endswith("a - b")
+    assert validate.first_divergence("same", "same") is None
+    assert validate.first_divergence("abc", "abcdef")["char"] == 3
+
+
+@pytest.mark.slow
+def test_export_files_parse_and_round_trip(study_dir, validated, exported):
+    paths = exported
+    best = study_dir / "best"
+    assert {p.name for p in paths} == {"launch.sh", "config.yaml", "launch.json", "provenance.json"}  # no docker image
+    assert subprocess.run(["bash", "-n", str(best / "launch.sh")]).returncode == 0
+    script = (best / "launch.sh").read_text()
+    assert script.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in script
+    assert f"study: handover (trial {validated['winner']['trial']})" in script and "output tok/s" in script
+    assert "hardware: CPU only" in script and "torch" in script
+    launch = json.loads((best / "launch.json").read_text())
+    assert launch["validated"] and launch["docker"] is None and "no official image" in launch["docker_note"]
+    adapter = EmbeddedAdapter()
+    assert adapter.validate_flags(launch["argv"]) == []
+    # config.yaml holds exactly the engine flags of the script (the address aside).
+    args = adapter.engine_args(launch["argv"])
+    cut = args.index("--host")
+    assert export.yaml_args((best / "config.yaml").read_text()) == args[:cut] and args[cut:] == [
+        "--host", "127.0.0.1", "--port", "30000"]
+    assert json.loads((best / "provenance.json").read_text())["exported"]["trial"] == validated["winner"]["trial"]
+    with pytest.raises(ValueError, match="no official container image"):
+        export.export(study_dir, formats=("docker",))
+
+
+@pytest.mark.slow
+def test_exported_launch_script_serves_a_request(study_dir, validated, exported):
+    port = free_port()
+    log = study_dir / "launch-sh.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(study_dir / "best" / "launch.sh")], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        config = validated["winner"]["config"]
+        if config["drafter"] != "none":  # the script launched the winner's settings, not the defaults
+            assert httpx.get(url + "/admin/runtime").json()["draft_length"] == config["draft_length"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_report_opens_in_headless_chromium_without_errors(study_dir, validated, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Chromium is needed (setup.sh dev installs it)"
+    path = report.write_report(study_dir, png=True)
+    text = path.read_text()
+    assert text.count("Plotly.newPlot") >= 5 and text.count("plotly.js v") == 1  # the library inlined once
+    assert "failed" in text and "fake engine: cannot start" in text  # the crashed trial and its reason
+    assert "Top configurations" in text and "autotune.cli serve" in text  # launch commands in the table
+    for name in report.PNG_FIGURES:
+        assert (study_dir / "png" / f"{name}.png").stat().st_size > 1000
+    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--disable-component-update", "--disable-sync", "--no-first-run",
+                           f"--user-data-dir={tmp_path}", "--enable-logging=stderr", "--v=0",
+                           "--virtual-time-budget=10000", "--dump-dom", path.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "CONSOLE" not in proc.stderr, [ln for ln in proc.stderr.splitlines() if "CONSOLE" in ln]
+    assert proc.stdout.count('class="main-svg"') >= 5  # the plots were drawn
+
+
+@pytest.mark.slow
+def test_show_and_cli_errors(study_dir, validated, exported):
+    out = subprocess.run([sys.executable, "-m", "autotune.cli", "show", str(study_dir)], capture_output=True, text=True)
+    assert out.returncode == 0 and f"validated winner: trial {validated['winner']['trial']}" in out.stdout
+    assert "failed" in out.stdout and "top configurations" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "autotune.cli", "export", str(study_dir / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no study") and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated["winner"]["config"]["drafter"]
