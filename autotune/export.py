@@ -86,8 +86,8 @@ def _groups(args: list[str]) -> list[list[str]]:
 def comments(ctx: StudyContext, pick: dict) -> list[str]:
     prov, load = ctx.provenance, pick["settings"]
     lines = [f"study: {ctx.name} (trial {pick['trial']}), storage {ctx.storage}",
-             f"objective: {ctx.objective}; workload {ctx.workload}, concurrency {load.get('concurrency')}, "
-             f"{load.get('num_requests')} requests, max_tokens {load.get('max_tokens')}"]
+             (f"objective: {ctx.objective}; workload {ctx.workload}, concurrency {load.get('concurrency')}, "
+              f"{load.get('num_requests')} requests, max_tokens {load.get('max_tokens')}")]
     numbers = []
     for key, label, fmt in NUMBERS:
         s = pick["stats"].get(key) or {}
@@ -137,8 +137,8 @@ def launch_script(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str,
     port = str(DEFAULT_PORT[ctx.engine])
     lines = ["#!/usr/bin/env bash", f"# autotune: launch the {ctx.engine} engine with the configuration tuned by study {ctx.name}"]
     lines += [f"# {' '.join(c.splitlines())}" for c in comments(ctx, pick)]
-    lines += ["# HOST, PORT and PYTHON may be set in the environment; arguments to this script are added to the"
-              " engine's flags.", "set -euo pipefail", ""]
+    lines += ["# HOST, PORT and PYTHON may be set in the environment; script arguments are added to the engine's flags.",
+              "set -euo pipefail", ""]
     python = argv[0] == sys.executable
     if python:
         lines.append(f"PYTHON=${{PYTHON:-{shlex.quote(argv[0])}}}")
@@ -247,7 +247,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
 
     if "sh" in formats:
         write("launch.sh", launch_script(ctx, pick, argv, env), 0o755)
-        check = subprocess.run(["bash", "-n", str(directory / "launch.sh")], capture_output=True, text=True)
+        check = subprocess.run(["bash", "-n", str(directory / "launch.sh")], capture_output=True, text=True, check=False)
         if check.returncode:
             raise ValueError(f"generated launch.sh does not parse: {check.stderr.strip().splitlines()[0]}")
     if "yaml" in formats:

@@ -115,7 +115,7 @@ def _is_bundled(model: str) -> bool:
 
 def _max_tokens_of(summary: dict) -> int | None:
     mean = summary.get("output_tokens_mean")
-    return int(round(mean)) if mean else None
+    return round(mean) if mean else None
 
 
 def is_ok(trial: optuna.trial.FrozenTrial) -> bool:
@@ -210,7 +210,7 @@ def measure(ctx: StudyContext, label: str, config: dict, *, repeats: int, prompt
             workload, launch_timeout_s: float, tick=lambda: None) -> dict:
     from autotune.bench import run_benchmark
     from autotune.engines import get_adapter
-    from autotune.engines.launcher import LaunchError, Launcher, free_port
+    from autotune.engines.launcher import Launcher, LaunchError, free_port
     from autotune.study.driver import _json_ready
 
     adapter, port = get_adapter(ctx.engine), free_port()
@@ -381,10 +381,11 @@ def _public(rec: dict) -> dict:
 
 
 # -- the end of `autotune run` ---------------------------------------------------------------------
-def finish_study(study: str | Path, storage: str | None = None, *, top: int = DEFAULT_TOP,
+def finish_study(study: str | Path, storage: str | None = None, *, run_options=None, top: int = DEFAULT_TOP,
                  repeats: int = DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
                  console=None, **validate_options) -> dict:
     """validate -> export -> report; each step's failure is reported and the next still runs.
+    `run_options` (the tuner's RunOptions) supplies the study's SLO and load.
     Returns {"validation": doc | None, "exported": [paths], "report": path | None, "problems": [lines]}."""
     from rich.console import Console
 
@@ -392,6 +393,10 @@ def finish_study(study: str | Path, storage: str | None = None, *, top: int = DE
 
     console = console or Console(stderr=True)
     out = {"validation": None, "exported": [], "report": None, "problems": []}
+    if run_options is not None:
+        slo = slo or run_options.slo
+        load = {**{k: getattr(run_options, k) for k in ("concurrency", "num_requests", "max_tokens", "seed")},
+                **(load or {})}
     ctx = open_study(study, storage)
     steps = (("validate", lambda: validate(ctx, top=top, repeats=repeats, slo=slo, load=load, console=console,
                                            **validate_options)),
