@@ -109,7 +109,8 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
     lines.append(f"hardware: {hardware_line(prov)}")
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions(prov).items() if v))
     if prov.get("model"):
-        lines.append(f"model: {prov['model']} (sha256 {prov.get('model_sha256')})")
+        digest = prov.get("model_sha256")
+        lines.append(f"model: {prov['model']}" + (f" (sha256 {digest})" if digest else ""))
     return lines
 
 

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from autotune import export, report, validate
+from autotune.engines import get_adapter
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import free_port
 from autotune.study import driver
@@ -119,7 +120,7 @@ def test_export_files_parse_and_round_trip(study_dir, validated, exported):
     paths = exported
     best = study_dir / "best"
     assert {p.name for p in paths} == {"launch.sh", "config.yaml", "launch.json", "provenance.json"}  # no docker image
-    assert subprocess.run(["bash", "-n", str(best / "launch.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(best / "launch.sh")], check=False).returncode == 0
     script = (best / "launch.sh").read_text()
     assert script.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in script
     assert f"study: handover (trial {validated['winner']['trial']})" in script and "output tok/s" in script
@@ -183,7 +184,7 @@ def test_report_opens_in_headless_chromium_without_errors(study_dir, validated, 
                            "--disable-component-update", "--disable-sync", "--no-first-run",
                            f"--user-data-dir={tmp_path}", "--enable-logging=stderr", "--v=0",
                            "--virtual-time-budget=10000", "--dump-dom", path.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0
     assert "CONSOLE" not in proc.stderr, [ln for ln in proc.stderr.splitlines() if "CONSOLE" in ln]
     assert proc.stdout.count('class="main-svg"') >= 5  # the plots were drawn
@@ -191,11 +192,50 @@ def test_report_opens_in_headless_chromium_without_errors(study_dir, validated, 
 
 @pytest.mark.slow
 def test_show_and_cli_errors(study_dir, validated, exported):
-    out = subprocess.run([sys.executable, "-m", "autotune.cli", "show", str(study_dir)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "autotune.cli", "show", str(study_dir)], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and f"validated winner: trial {validated['winner']['trial']}" in out.stdout
     assert "failed" in out.stdout and "top configurations" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "autotune.cli", "export", str(study_dir / "nope")],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: no study") and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated["winner"]["config"]["drafter"]
+
+
+@pytest.mark.parametrize("engine, config, image", [
+    ("sglang", {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 5, "speculative_eagle_topk": 8,
+                "speculative_num_draft_tokens": 32, "quantization": "w8a16_fp8", "cuda_graph_bs_decode": [1, 2, 4]},
+     "lmsysorg/sglang:v0.5.23"),
+    ("vllm", {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+              "max_num_seqs": 64}, "vllm/vllm-openai:v0.33.0"),
+])
+def test_export_for_gpu_engines_from_an_unvalidated_study(tmp_path, engine, config, image):
+    """SGLang/vLLM cannot run here: a study stored as the tuner stores it, exported without validation."""
+    directory = tmp_path / f"{engine}-study"
+    directory.mkdir()
+    study = optuna.create_study(study_name=directory.name, storage=f"sqlite:///{directory / 'study.db'}",
+                                direction="maximize")
+    study.set_user_attr("engine", engine)
+    (directory / "provenance.json").write_text(json.dumps({
+        "engine": engine, "model": "meta-llama/Llama-3.1-8B-Instruct", "draft_model": None,
+        "hardware": {"gpus": [{"name": "NVIDIA H200", "memory_gb": 139.8}], "driver_version": "570.1"}}))
+    for value, cfg in ((100.0, {}), (180.0, config)):
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=value, user_attrs={
+            "status": "ok", "config": cfg, "metrics": {"output_tok_s": value, "concurrency": 32, "sent": 128}}))
+    paths = {p.name for p in export.export(directory)}
+    assert paths == {"launch.sh", "config.yaml", "docker-run.sh", "launch.json", "provenance.json"}
+    script = (directory / "best" / "launch.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(directory / "best" / "launch.sh")], check=False).returncode == 0
+    assert "NOT VALIDATED" in script and "study: " + directory.name + " (trial 1)" in script
+    assert "1x NVIDIA H200 (139.8 GiB)" in script
+    launch = json.loads((directory / "best" / "launch.json").read_text())
+    args = get_adapter(engine).engine_args(launch["argv"])
+    address = {i for i, a in enumerate(args) if a in ("--host", "--port")}
+    assert export.yaml_args((directory / "best" / "config.yaml").read_text()) == [
+        a for i, a in enumerate(args) if i not in address and i - 1 not in address]
+    docker = (directory / "best" / "docker-run.sh").read_text()
+    assert image in docker and "--host 0.0.0.0" in docker and "-p 127.0.0.1:" in docker
+    if engine == "sglang":  # weight-only FP8 through Marlin is an environment switch of SGLang
+        assert "export SGLANG_FORCE_FP8_MARLIN=1" in script and "-e SGLANG_FORCE_FP8_MARLIN=1" in docker
+    else:
+        assert json.loads(launch["argv"][launch["argv"].index("--speculative-config") + 1])["method"] == "ngram"
