@@ -79,8 +79,8 @@ def gpu_count(ctx: StudyContext) -> int:
 
 
 def launch_text(ctx: StudyContext, config: dict) -> str:
-    from autotune.export import DEFAULT_PORT
     from autotune.engines import get_adapter
+    from autotune.export import DEFAULT_PORT
 
     try:
         argv, env = get_adapter(ctx.engine).command(config, model=ctx.model, draft_model=ctx.draft_model,
@@ -166,7 +166,9 @@ def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
             if r.get("ok") and c.get(drafter_key) not in NO_DRAFTER and c.get(k_key) is not None]
     if not rows:
         return "no speculative trial with a draft length was measured"
-    data = pd.DataFrame(rows).groupby(["drafter", "k"], as_index=False).median(numeric_only=True)
+    data = pd.DataFrame(rows)
+    data[["tok_s", "accept"]] = data[["tok_s", "accept"]].apply(pd.to_numeric, errors="coerce")
+    data = data.groupby(["drafter", "k"], as_index=False)[["tok_s", "accept"]].median()
     fig = make_subplots(rows=1, cols=2, subplot_titles=("output tok/s vs draft length", "accept length vs draft length"))
     for i, (drafter, part) in enumerate(data.groupby("drafter")):
         part = part.sort_values("k")
@@ -293,9 +295,15 @@ def write_report(study: str | Path | StudyContext, *, storage: str | None = None
     df = trials_frame(ctx)
     validation = validation_doc(ctx)
     frames = request_frames(ctx)
-    figures = {"history": fig_history(ctx, df), "pareto": fig_pareto(ctx, df), "importance": fig_importance(ctx, df),
-               "draft_length": fig_draft_length(ctx, df), "entropy": fig_entropy(ctx, df, frames),
-               "latency": fig_latency(ctx, df, frames, validation)}
+    builders = {"history": lambda: fig_history(ctx, df), "pareto": lambda: fig_pareto(ctx, df),
+                "importance": lambda: fig_importance(ctx, df), "draft_length": lambda: fig_draft_length(ctx, df),
+                "entropy": lambda: fig_entropy(ctx, df, frames), "latency": lambda: fig_latency(ctx, df, frames, validation)}
+    figures = {}
+    for name, build in builders.items():
+        try:
+            figures[name] = build()
+        except (KeyError, ValueError, TypeError, IndexError) as e:  # odd data in one plot must not cost the report
+            figures[name] = f"could not be drawn ({type(e).__name__}: {e})"
     parts, inlined = [], False
     for name, fig in figures.items():
         if isinstance(fig, str):

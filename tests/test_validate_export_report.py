@@ -239,3 +239,7 @@ def test_export_for_gpu_engines_from_an_unvalidated_study(tmp_path, engine, conf
         assert "export SGLANG_FORCE_FP8_MARLIN=1" in script and "-e SGLANG_FORCE_FP8_MARLIN=1" in docker
     else:
         assert json.loads(launch["argv"][launch["argv"].index("--speculative-config") + 1])["method"] == "ngram"
+    # The report degrades to notes where the data is missing (no validation, no per-request tables).
+    text = report.write_report(directory, png=False).read_text()
+    assert "latency: no per-request latencies saved" in text and text.count("plotly.js v") == 1
+    assert 'id="fig-draft_length"' in text and 'id="fig-history"' in text
