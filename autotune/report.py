@@ -191,9 +191,11 @@ def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFr
             continue
         number = label.rsplit("trial-", 1)[1] if "trial-" in label else None
         drafter = (configs.get(int(number)) or {}).get(drafter_key) if number and number.isdigit() else None
+        if drafter in NO_DRAFTER:  # the baseline and plain decoding accept nothing
+            continue
         ok = frame.dropna(subset=["accept_length", "prompt_entropy"])
         ok = ok[ok["accept_length"] > 0]
-        points += [{"drafter": str(drafter or label), "entropy": e, "accept": a}
+        points += [{"drafter": str(drafter), "entropy": e, "accept": a}
                    for e, a in zip(ok["prompt_entropy"], ok["accept_length"])]
     note = None
     if not points:  # per-trial means: always recorded
