@@ -163,8 +163,10 @@ def spread(values: list[float], resamples: int = 2000, seed: int = 0) -> dict:
 
 
 # -- greedy outputs --------------------------------------------------------------------------------
-def greedy_outputs(base_url: str, prompts: list[dict], max_tokens: int) -> list[str]:
-    """The greedy completion of each prompt, one at a time (no batching effects)."""
+def greedy_outputs(base_url: str, prompts: list[dict], max_tokens: int) -> list[dict]:
+    """The greedy completion of each prompt, one at a time (no batching effects): {text, tokens}.
+    The OpenAI API returns text; with the token count beside it, equal text and equal count is the
+    token-for-token check the API allows."""
     from autotune.bench.client import ENDPOINTS
     from autotune.bench.runner import served_model
 
@@ -175,9 +177,20 @@ def greedy_outputs(base_url: str, prompts: list[dict], max_tokens: int) -> list[
             body.update(model=model, temperature=0.0, max_tokens=max_tokens, stream=False, seed=0)
             r = client.post(base_url + ENDPOINTS[request["api"]], json=body)
             r.raise_for_status()
-            choice = r.json()["choices"][0]
-            out.append(choice["message"]["content"] if request["api"] == "chat" else choice["text"])
+            reply = r.json()
+            choice = reply["choices"][0]
+            text = choice["message"]["content"] if request["api"] == "chat" else choice["text"]
+            out.append({"text": text, "tokens": (reply.get("usage") or {}).get("completion_tokens")})
     return out
+
+
+def output_divergence(baseline: dict, candidate: dict) -> dict | None:
+    d = first_divergence(baseline["text"], candidate["text"])
+    if d is None and baseline["tokens"] != candidate["tokens"]:
+        n = len(baseline["text"])
+        d = {"char": n, "word": len(baseline["text"].split()), "baseline": f"{baseline['tokens']} tokens",
+             "candidate": f"{candidate['tokens']} tokens (same text)"}
+    return d
 
 
 def first_divergence(baseline: str, candidate: str, context: int = 40) -> dict | None:
@@ -189,13 +202,13 @@ def first_divergence(baseline: str, candidate: str, context: int = 40) -> dict |
             "baseline": baseline[max(0, i - context):i + context], "candidate": candidate[max(0, i - context):i + context]}
 
 
-def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[str], reference: list[str] | None) -> dict:
+def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], reference: list[dict] | None) -> dict:
     knobs = NUMERICS.get(ctx.engine, ())
     changed = {k: config.get(k) for k in knobs if config.get(k) != base.get(k)}
     mode = "lossy" if changed else "exact"
     if reference is None:
         return {"mode": mode, "checked": False, "note": "baseline outputs unavailable"}
-    diverged = [(i, d) for i, (a, b) in enumerate(zip(reference, outputs)) if (d := first_divergence(a, b))]
+    diverged = [(i, d) for i, (a, b) in enumerate(zip(reference, outputs)) if (d := output_divergence(a, b))]
     out = {"mode": mode, "checked": True, "prompts": len(reference), "identical": len(reference) - len(diverged)}
     if changed:
         out["note"] = f"numerics differ from the baseline ({', '.join(f'{k}={v}' for k, v in changed.items())}): " \
@@ -344,7 +357,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         doc["winner"] = {"trial": winner["trial"], "config": winner["config"], "argv": winner["argv"],
                          "env": winner["env"], "median": win_median, "gain_over_baseline": gain,
                          "stats": winner["stats"], "warning": warning}
-        ctx.study.set_user_attr("validated_best_trial", winner["trial"])
+    ctx.study.set_user_attr("validated_best_trial", winner["trial"] if winner else None)
     ctx.best_dir.mkdir(parents=True, exist_ok=True)
     (ctx.best_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc

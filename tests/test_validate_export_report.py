@@ -113,6 +113,9 @@ def test_spread_and_first_divergence():
     assert d["char"] == 24 and d["word"] == 5 and d["baseline"].endswith("a + b") and d["candidate"].endswith("a - b")
     assert validate.first_divergence("same", "same") is None
     assert validate.first_divergence("abc", "abcdef")["char"] == 3
+    same_text = validate.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 1})
+    assert same_text["char"] == 2 and "same text" in same_text["candidate"]
+    assert validate.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 2}) is None
 
 
 @pytest.mark.slow
@@ -199,6 +202,9 @@ def test_show_and_cli_errors(study_dir, validated, exported):
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: no study") and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+    bad = subprocess.run([sys.executable, "-m", "autotune.cli", "validate", str(study_dir), "--repeats", "0"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and bad.stderr == "error: --top and --repeats must be at least 1\n"
     assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated["winner"]["config"]["drafter"]
 
 
