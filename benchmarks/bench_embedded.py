@@ -74,7 +74,7 @@ def hf_model(path, dtype, device):
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    ours = weights.load_model(None, "float32", "cpu", 1024).model.state_dict()
+    _, ours, _ = weights.read_gguf(path, 1024)  # checkpoint layout: separate q/k/v and gate/up
     to_hf = {v: k for k, v in weights.HF_NAMES.items()}
     to_hf.update({f"layers.{i}.{v}.weight": f"model.layers.{i}.{k}.weight" for k, v in weights.HF_LAYER_NAMES.items()
                   for i in range(config.num_hidden_layers)})
@@ -113,19 +113,24 @@ def main():
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--drafters", default="ngram,early_exit,quantized_self")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer (a)")
+    parser.add_argument("--compile", default="none", help="none | inductor | aot_eager (the engine side)")
+    parser.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     tokens = args.tokens or (256 if cuda else 64 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
     lengths = [1, 2, 4, 8] if args.quick else list(range(1, 9))
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
     torch.set_num_threads(args.threads)
     console = Console()
-    console.print(f"device {args.device}, {dtype}, threads {args.threads}, {tokens} tokens, median of {repeats}")
+    console.print(f"device {args.device}, {dtype}, compile {args.compile}, threads {args.threads}, {tokens} tokens, "
+                  f"median of {repeats}")
 
     # Every engine below serves the same weights: load them once.
     weights.load_model = functools.lru_cache(maxsize=None)(weights.load_model)
-    base = dict(threads=args.threads, device=args.device, dtype=dtype, max_seq_len=1024, verify_slots=1, seed=0)
+    base = dict(threads=args.threads, device=args.device, dtype=dtype, max_seq_len=1024, verify_slots=1, seed=0,
+                compile=args.compile)
     if cuda:
         base["cuda_graph_batch_sizes"] = [1]
     plain_engine = Engine(EngineConfig(drafter="none", **base))
@@ -135,17 +140,17 @@ def main():
     plain_engine.stop()
 
     # (a) plain decode vs HF transformers
-    path = weights.bundled_gguf_path()
-    model = hf_model(path, getattr(torch, dtype), args.device)
     table = Table(title="(a) plain greedy decode, bs 1, chat prompt")
     for column in ("engine", "tok/s", "engine / this", "same tokens"):
         table.add_column(column)
     ours = plain["chat"]
     table.add_row("embedded" + (" + CUDA graphs" if cuda else ""), f"{ours['tok_s']:.1f}", "1.00", "-")
-    for static in ((False, True) if cuda else (False,)):
-        hf = hf_generate(model, prompts["chat"], tokens, repeats, args.device, static)
-        table.add_row("HF generate" + (" static cache" if static else ""), f"{hf['tok_s']:.1f}",
-                      f"{ours['tok_s'] / hf['tok_s']:.2f}x", str(hf["tokens"] == ours["tokens"]))
+    if not args.no_hf:
+        model = hf_model(weights.bundled_gguf_path(), getattr(torch, dtype), args.device)
+        for static in ((False, True) if cuda else (False,)):
+            hf = hf_generate(model, prompts["chat"], tokens, repeats, args.device, static)
+            table.add_row("HF generate" + (" static cache" if static else ""), f"{hf['tok_s']:.1f}",
+                          f"{ours['tok_s'] / hf['tok_s']:.2f}x", str(hf["tokens"] == ours["tokens"]))
     console.print(table)
 
     # (c) the sweep, from which (b) takes the best setting per workload

@@ -365,7 +365,7 @@ def test_gguf_with_unsupported_architecture_is_refused(tmp_path):
 @pytest.mark.slow
 def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
     quantized = quantize_int8(ours.model)
-    assert quantized is not ours.model and isinstance(ours.model.layers[0].attention.wq, torch.nn.Linear)
+    assert quantized is not ours.model and isinstance(ours.model.layers[0].attention.wqkv, torch.nn.Linear)
     assert isinstance(quantized.output, Int8Linear) and isinstance(quantized.layers[0].feed_forward.w2, Int8Linear)
     original = {p.data_ptr() for p in ours.model.state_dict().values()}
     assert not original & {t.data_ptr() for t in quantized.state_dict().values()}  # nothing shared

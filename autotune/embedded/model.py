@@ -57,6 +57,18 @@ class KVCache(nn.Module):
         return k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
 
 
+def fuse_on_load(parts: tuple[str, ...], fused: str):
+    """A load_state_dict pre-hook concatenating separate projections (checkpoint layout) into one."""
+
+    def hook(state_dict, prefix, *args):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(name in state_dict for name in names):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(name) for name in names])
+
+    return hook
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -88,16 +100,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        # q, k and v in one matmul (one kernel, one pass over x); checkpoints load through fuse_on_load.
+        self.split = [args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.n_kv_heads * args.head_dim]
+        self.wqkv = nn.Linear(args.dim, sum(self.split), bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self._register_load_state_dict_pre_hook(fuse_on_load(("wq", "wk", "wv"), "wqkv"))
 
     def forward(self, x, cos, sin, mask, cache: KVCache, rows, input_pos, kv_len):
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(self.layer, rows, input_pos, k, v, kv_len)
         out = F.scaled_dot_product_attention(
@@ -109,12 +123,13 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate (w1) and up (w3) fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self._register_load_state_dict_pre_hook(fuse_on_load(("w1", "w3"), "w13"))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

@@ -109,11 +109,12 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dt
         model = Transformer(args)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
-    expected, given = set(model.state_dict()), set(state)
-    if expected != given:
-        raise ValueError(f"checkpoint tensors do not fit the model: missing {sorted(expected - given)[:4]}, "
-                         f"unexpected {sorted(given - expected)[:4]}")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
+    # Non-strict so both problems are reported in one line; the model fuses q/k/v and gate/up on load.
+    result = model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                                   strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"checkpoint tensors do not fit the model: missing {sorted(result.missing_keys)[:4]}, "
+                         f"unexpected {sorted(result.unexpected_keys)[:4]}")
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = rope_tables(args, device)  # float32 whatever the weights' dtype
