@@ -337,6 +337,12 @@ def top_table(ctx: StudyContext, validation: dict | None, limit: int = 10) -> st
         v = verdicts.get(t.number)
         verdict = "not validated" if v is None else v["status"] + (f": {'; '.join(v['reasons'])}" if v["reasons"] else
                                                                   f" (median {v['stats'][metric]['median']:.4g})")
+        q = (v or {}).get("quality") or {}
+        if q.get("mode") == "lossy" and q.get("first_divergence"):
+            d = q["first_divergence"]
+            verdict += (f"; greedy output differs from the baseline ({q['note']}) on {q['prompts'] - q['identical']} "
+                        f"of {q['prompts']} prompts, first at prompt {d['prompt']} char {d['char']}: "
+                        f"{d['baseline']!r} vs {d['candidate']!r}")
         rows.append([t.number, t.values[0], m.get("e2e_ms_p95"), m.get("accept_length"), verdict,
                      _config_short(t.user_attrs.get("config") or {}),
                      f"<code>{html.escape(launch_text(ctx, t.user_attrs.get('config') or {}))}</code>"])
