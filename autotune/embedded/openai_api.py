@@ -19,6 +19,10 @@ harness and the tuner read:
   accept_rate           accepted / proposed; 0 when nothing was proposed
   prompt_entropy        mean next-token entropy (nats) over the prompt's first 32 tokens; null if
                         the engine did not measure it
+  spec_rejections       verify steps that stopped at a rejected proposal (alpha's maximum likelihood
+                        is accepted / (accepted + rejections))
+  spec_draft_seconds    time spent drafting in this request's steps (a batched step counts whole)
+  spec_verify_seconds   time spent in the target's verify passes of this request's steps
 """
 import json
 import time
@@ -216,6 +220,9 @@ def usage(prompt_tokens: int, completion_tokens: int, final: GenerationEvent) ->
         "accept_length": (accepted + steps) / steps if steps else 0.0,
         "accept_rate": spec.accept_rate if spec else 0.0,
         "prompt_entropy": final.prompt_entropy,
+        "spec_rejections": spec.rejections if spec else 0,
+        "spec_draft_seconds": round(spec.draft_seconds, 6) if spec else 0.0,
+        "spec_verify_seconds": round(spec.verify_seconds, 6) if spec else 0.0,
     }
 
 
