@@ -378,6 +378,46 @@ def show(
         _fail(e)
 
 
+# -- autotune ci: re-check (and re-tune) after the environment changed --------------------------------
+@app.command()
+def ci(
+    study: str = typer.Argument(..., help=_STUDY_HELP),
+    tolerance: str = typer.Option("5%", help="allowed loss of the objective before re-tuning, e.g. 5% or 0.05"),
+    retune_budget: str = typer.Option("20m", help="wall-clock budget of the re-tune, e.g. 20m, 1h"),
+    retune_trials: int = typer.Option(25, help="measured trials of the re-tune at most"),
+    force: bool = typer.Option(False, help="re-check even when the environment is unchanged"),
+    json_output: bool = typer.Option(False, "--json", help="print the result as JSON on stdout"),
+    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
+):
+    """Re-check the exported best after a driver/CUDA/torch/engine change; re-tune it if it regressed (exit 1)."""
+    import json as _json
+
+    from rich.console import Console
+
+    from autotune import ci as checker
+    from autotune.study.driver import parse_duration
+
+    try:
+        share = checker.parse_tolerance(tolerance)
+        try:
+            budget_s = parse_duration(retune_budget)
+        except ValueError:
+            raise ValueError(f"--retune-budget {retune_budget!r}: expected a duration such as 90s, 20m, 1h") from None
+        if retune_trials < 1:
+            raise ValueError("--retune-trials must be at least 1")
+        result = checker.check(study, storage=storage, tolerance=share, retune_budget_s=budget_s,
+                               retune_trials=retune_trials, force=force, console=Console(stderr=True))
+    except (ValueError, OSError) as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _fail(RuntimeError("interrupted"), 130)
+    if json_output:
+        typer.echo(_json.dumps(result, indent=2, default=str))
+    else:
+        for line in checker.describe(result):
+            typer.echo(line)
+    raise typer.Exit(result["exit_code"])
+
 def main() -> None:
     """Console entry point: a usage error (bad flag, wrong type) is one line on stderr and exit 2."""
     from typer._click import exceptions as click_errors  # typer vendors its own click

@@ -1,0 +1,470 @@
+"""`autotune ci`: after a driver, CUDA, torch or engine upgrade, re-check a study's exported best
+configuration and re-tune it when it broke or fell behind.
+
+1. Fingerprint this environment (GPUs, driver, CUDA, NVML, torch, engine version, model checksum;
+   for the embedded engine also what changes a CPU/PyTorch engine's speed: CPU model, torch threads,
+   fast dtypes) and compare it with the study's provenance.json. Unchanged: done (exit 0).
+2. Changed (or --force): launch the exported command (best/launch.json, else best/launch.sh) on a
+   free port; if it does not start, rewrite flags the engine renamed (its captured schema) and retry.
+   Benchmark it with the load the study was validated with; compare the median with the validated
+   median. Within tolerance: refresh provenance.json (the validated numbers stay the reference,
+   so slow drift still shows), exit 0.
+3. Regressed or broken: re-tune in a new study beside the old one (same storage, studies/<name>/ci/),
+   warm-started: the previous top configurations are enqueued first and the previous failures are
+   copied in as infeasible trials, so the tuner skips them and samples away from them. Then validate,
+   export the new best into studies/<name>/best/, write ci-summary.md for a pull request, exit 1.
+The old trials are not resumed in place: measured under the old environment, their numbers are stale,
+and the tuner would reuse them for any configuration it has seen.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+OK, CHANGED, BAD_INPUT = 0, 1, 2
+WARM_START_TOP = 5
+FAILED = ("failed",)  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
+
+
+# -- fingerprint -----------------------------------------------------------------------------------
+def engine_version(engine: str) -> str | None:
+    from importlib import metadata
+
+    from autotune import __version__
+
+    if engine == "embedded":  # the embedded engine ships inside autotune
+        return __version__
+    try:
+        return metadata.version(engine)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fast_dtypes(hardware) -> list[str]:
+    """Reduced-precision dtypes this machine runs natively (CUDA capability, else CPU ISA flags)."""
+    import torch
+
+    if hardware.gpus and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        return [d for d, ok in (("bfloat16", torch.cuda.is_bf16_supported()), ("float16", True),
+                                ("float8", (major, minor) >= (8, 9))) if ok]
+    flags = set((hardware.cpu.isa_flags if hardware.cpu else []) or [])
+    return [d for d, isa in (("bfloat16", {"avx512_bf16", "amx_bf16"}), ("float16", {"avx512_fp16", "amx_fp16"}))
+            if flags & isa]
+
+
+def fingerprint(engine: str, model: str | None, draft_model: str | None = None, hardware=None) -> dict:
+    """What decides whether a tuned configuration still holds on this machine."""
+    import torch
+
+    from autotune.hardware import probe
+    from autotune.study.storage import _digest
+
+    hw = hardware or probe()
+    fp = {"gpus": sorted(g.name or "?" for g in hw.gpus), "driver": hw.driver_version, "cuda": hw.cuda_driver_version,
+          "nvml": hw.nvml_version, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+          "engine": engine, "engine_version": engine_version(engine),
+          "model_sha256": _digest(model), "draft_model_sha256": _digest(draft_model) if draft_model else None}
+    if engine == "embedded":
+        fp.update(cpu=hw.cpu.model if hw.cpu else None, torch_threads=torch.get_num_threads(), fast_dtypes=fast_dtypes(hw))
+    return fp
+
+
+def recorded_fingerprint(provenance: dict) -> dict:
+    """The fingerprint a study recorded: written by `autotune ci` itself, else read off provenance.json."""
+    if provenance.get("fingerprint"):
+        return provenance["fingerprint"]
+    hw, versions = provenance.get("hardware") or {}, provenance.get("versions") or {}
+    engine = provenance.get("engine") or "embedded"
+    fp = {"gpus": sorted(g.get("name") or "?" for g in hw.get("gpus") or []), "driver": hw.get("driver_version"),
+          "cuda": hw.get("cuda_driver_version"), "nvml": hw.get("nvml_version"), "torch": versions.get("torch"),
+          "torch_cuda": versions.get("cuda"), "engine": engine,
+          "engine_version": versions.get("autotune") if engine == "embedded" else (hw.get("versions") or {}).get(engine),
+          "model_sha256": provenance.get("model_sha256"), "draft_model_sha256": provenance.get("draft_model_sha256")}
+    if engine == "embedded":
+        fp["cpu"] = (hw.get("cpu") or {}).get("model")
+    return fp
+
+
+def compare(recorded: dict, current: dict) -> tuple[list[dict], list[str]]:
+    """([{key, recorded, now}] for each difference, keys the study never recorded)."""
+    changes = [{"key": k, "recorded": recorded[k], "now": v} for k, v in current.items()
+               if k in recorded and recorded[k] != v]
+    return changes, [k for k in current if k not in recorded]
+
+
+# -- the stored command ----------------------------------------------------------------------------
+def stored_command(best_dir: Path) -> tuple[list[str], dict[str, str], str]:
+    """(argv, env, source) of the exported configuration: launch.json, else parsed from launch.sh."""
+    launch_json, launch_sh = best_dir / "launch.json", best_dir / "launch.sh"
+    if launch_json.exists():
+        doc = json.loads(launch_json.read_text())
+        return [str(a) for a in doc["argv"]], {k: str(v) for k, v in (doc.get("env") or {}).items()}, str(launch_json)
+    if not launch_sh.exists():
+        raise ValueError(f"nothing exported in {best_dir} (no launch.json or launch.sh): run `autotune export` first")
+    env, lines, body = {}, launch_sh.read_text().splitlines(), None
+    for i, line in enumerate(lines):
+        if line.startswith("export "):
+            name, _, value = shlex.split(line)[1].partition("=")
+            env[name] = value
+        elif line.startswith("exec "):
+            body = " ".join(part.rstrip("\\").strip() for part in lines[i:])
+            break
+    if body is None:
+        raise ValueError(f"{launch_sh} has no exec line: not a script written by `autotune export`")
+    words = {"$PYTHON": sys.executable, "$HOST": "127.0.0.1", "$PORT": "0"}
+    argv = [words.get(w, w) for w in shlex.split(body)[1:] if w != "$@"]
+    return argv, env, str(launch_sh)
+
+
+def at_address(argv: list[str], port: int) -> list[str]:
+    """The command bound to 127.0.0.1:port, run by this Python where it runs a Python module."""
+    out = list(argv)
+    if len(out) > 2 and out[1] == "-m":  # exported with another interpreter path (CI images move it)
+        out[0] = sys.executable
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
+        if flag in out[:-1]:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
+    """Launch the stored command; on a failed start, retry once with renamed flags translated.
+    Returns (launcher or None, argv used, translation notes, failure or None)."""
+    from autotune.engines.launcher import Launcher, LaunchError, free_port
+
+    notes, failure = [], None
+    for attempt in range(2):
+        port = free_port()
+        cmd = at_address(argv, port)
+        base = f"http://127.0.0.1:{port}"
+        server = Launcher(cmd, env=env, log_path=log, health_url=adapter.health_url(base), base_url=base)
+        try:
+            server.start(timeout=timeout_s)
+            return server, argv, notes, None
+        except LaunchError as e:
+            failure = f"launch {e.kind}: {e.message}"
+        if attempt == 0:
+            argv, notes = adapter.translate_renamed(argv)
+            if not notes:
+                break
+    if notes:
+        failure += f" (also after translating renamed flags: {'; '.join(notes)})"
+    return None, argv, notes, failure
+
+
+# -- the re-check ----------------------------------------------------------------------------------
+def reference(ctx) -> dict:
+    """The validated numbers and the load they were measured with (unvalidated: the study's trial)."""
+    from autotune import validate
+
+    metric, direction = ctx.primary()
+    path = ctx.best_dir / "validation.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    settings = {**ctx.load, "repeats": validate.DEFAULT_REPEATS, "slo": ctx.slo, **doc.get("settings", {})}
+    winner = doc.get("winner")
+    if winner:
+        stats = winner.get("stats") or {}
+    else:
+        launch = ctx.best_dir / "launch.json"
+        stats = json.loads(launch.read_text()).get("metrics", {}) if launch.exists() else {}
+    median = (stats.get(metric) or {}).get("median")
+    return {"metric": metric, "direction": direction, "median": median, "stats": stats, "settings": settings,
+            "validated": bool(winner), "trial": winner.get("trial") if winner else None}
+
+
+def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0, console=None) -> dict:
+    """Launch the exported best, benchmark it `repeats` times; {verdict: ok|regressed|broken, ...}."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from autotune.bench import load_workload, parse_slo, run_benchmark
+    from autotune.engines import get_adapter
+    from autotune.study.driver import _json_ready
+    from autotune.validate import spread
+
+    adapter = get_adapter(ctx.engine)
+    argv, env, source = stored_command(ctx.best_dir)
+    log = ctx.directory / "ci" / "logs" / f"recheck-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    out = {"source": source, "argv": argv, "log": str(log), "runs": []}
+    server, out["argv"], out["translated"], failure = start(adapter, argv, env, log, launch_timeout_s)
+    if server is None:
+        return {**out, "verdict": "broken", "reason": failure}
+    s = ref["settings"]
+    workload = load_workload(s.get("workload") or ctx.workload, s.get("seed", 0))
+    slo = parse_slo(s["slo"]) if s.get("slo") else None
+    repeats = max(1, int(s.get("repeats") or 1))
+    problems = []
+    try:
+        with Progress(TextColumn("[bold]ci[/] re-benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True, disable=console is None) as bar:
+            task = bar.add_task("", total=repeats)
+            for r in range(repeats):
+                result = run_benchmark(server.base_url, workload, concurrency=s.get("concurrency"), seed=s.get("seed", 0),
+                                       num_requests=s.get("num_requests"), max_tokens=s.get("max_tokens"),
+                                       server_pid=server.proc.pid, progress=False)
+                run = _json_ready(result.summary)
+                out["runs"].append({k: run.get(k) for k in ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95",
+                                                             "completed", "error_rate", "errors_by_kind")})
+                bar.advance(task)
+                if run.get("error_rate"):
+                    problems.append(f"repeat {r} had errors {run.get('errors_by_kind')}")
+                problems += [f"slo: repeat {r} {miss}" for miss in (slo.check(run) if slo else [])]
+                if not server.alive():
+                    problems.append(f"server exited during repeat {r} (see {log})")
+                    break
+    finally:
+        server.stop()
+    median = spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
+    out["median"] = median
+    if median is None or any(p.startswith(("server exited", "repeat")) for p in problems):
+        return {**out, "verdict": "broken", "reason": "; ".join(problems) or f"no {ref['metric']} measured"}
+    if ref["median"]:
+        ratio = median / ref["median"]
+        out["ratio"] = ratio
+        worse = ratio < 1 - tolerance if ref["direction"] == "maximize" else ratio > 1 + tolerance
+        if worse:
+            problems.insert(0, f"{ref['metric']} {median:.4g} vs {ref['median']:.4g} recorded "
+                               f"({ratio - 1:+.1%}, tolerance {tolerance:.0%})")
+    else:
+        problems.append(f"the study recorded no {ref['metric']} to compare with")
+    return {**out, "verdict": "regressed" if problems else "ok", "reason": "; ".join(problems) or None}
+
+
+def refresh_provenance(ctx, fp: dict, hardware, record: dict, recorded: dict) -> dict:
+    """provenance.json describes this environment now; what it described before stays under ci.previous."""
+    from autotune.study import storage
+
+    path = ctx.directory / "provenance.json"
+    old = ctx.provenance
+    new = storage.write_provenance(path, hardware=hardware, engine=ctx.engine, model=old.get("model"),
+                                   draft_model=old.get("draft_model"), workload=old.get("workload") or ctx.workload,
+                                   space_source=old.get("space"))
+    doc = {**old, **new, "fingerprint": fp,
+           "ci": {**record, "previous": {"written": old.get("written"), "fingerprint": recorded}}}
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return doc
+
+
+# -- the re-tune -----------------------------------------------------------------------------------
+def warm_start_source(ctx):
+    """The study the exported configuration came from: the original, or the last re-tune of it."""
+    from autotune import validate
+
+    launch = ctx.best_dir / "launch.json"
+    name = json.loads(launch.read_text()).get("study") if launch.exists() else None
+    directory = ctx.directory / "ci" / str(name)
+    if name and name != ctx.name and directory.exists():
+        return validate.open_study(directory, ctx.storage)
+    return ctx
+
+
+def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WARM_START_TOP, console=None) -> dict:
+    """A new study in the same storage, warm-started from the last one; validated. Returns
+    {study, directory, enqueued, remembered_failures, validation, outcome}."""
+    import optuna
+
+    from autotune import validate
+    from autotune.study import driver, objectives, storage
+
+    source = warm_start_source(ctx)
+    s = ref["settings"]
+    name = f"{ctx.name}-ci-{time.strftime('%Y%m%d-%H%M%S')}"
+    opts = driver.RunOptions(engine=ctx.engine, model=ctx.model, draft_model=ctx.draft_model,
+                             workload=s.get("workload") or ctx.workload, slo=s.get("slo"), objective=ctx.objective,
+                             trials=trials, budget_s=budget_s, study=name, storage=ctx.storage, resume=True,
+                             concurrency=s.get("concurrency"), num_requests=s.get("num_requests"),
+                             max_tokens=s.get("max_tokens"), seed=s.get("seed", 0),
+                             studies_root=str(ctx.directory / "ci"), live=console is not None)
+    plan = driver.plan(opts)
+    study, _ = storage.open_study(name, plan.storage, objectives.directions(opts.objective),
+                                  objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
+    configs = [t.user_attrs.get("config") or {} for t in validate.ranked(source)[:top]]
+    exported = json.loads((ctx.best_dir / "launch.json").read_text()).get("config") \
+        if (ctx.best_dir / "launch.json").exists() else None
+    if exported and exported not in configs:
+        configs.insert(0, exported)
+    for config in configs:
+        known = {k: v for k, v in config.items() if k in plan.space.params}
+        study.enqueue_trial(plan.space.trial_params(known), user_attrs={"seed_config": config, "warm_start": source.name})
+    remembered = 0
+    for t in source.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("status") in FAILED and t.user_attrs.get("effective_key"):
+            attrs = {**t.user_attrs, "measured": False, "remembered_from": f"{source.name} trial {t.number}"}
+            study.add_trial(optuna.trial.create_trial(
+                state=optuna.trial.TrialState.PRUNED, params=t.params, distributions=t.distributions,
+                user_attrs=attrs, constraints=t.constraints or {"feasible": 1.0}))
+            remembered += 1
+    outcome = driver.run_study(plan, console=console)
+    out = {"study": name, "directory": str(plan.directory), "from": source.name, "enqueued": len(configs),
+           "remembered_failures": remembered, "measured": sum(bool(t.user_attrs.get("measured"))
+                                                               for t in study.get_trials(deepcopy=False)),
+           "validation": None}
+    if outcome.best is None:
+        out["problem"] = "no configuration measured within the re-tune budget met the study's requirements"
+        return out
+    try:
+        out["validation"] = validate.validate(plan.directory, storage=ctx.storage, top=s.get("top", 3),
+                                              repeats=s.get("repeats", 3), slo=s.get("slo"),
+                                              max_noise=s.get("max_noise", validate.MAX_NOISE),
+                                              quality_prompts=s.get("quality_prompts", 4),
+                                              quality_tokens=s.get("quality_tokens", 32), load=s, console=console,
+                                              progress=console is not None)
+    except ValueError as e:
+        out["problem"] = f"validation: {e}"
+    return out
+
+
+def install(ctx, tuned: dict) -> list[str]:
+    """The re-tune's validated winner becomes the study's exported best (best/*, validation.json)."""
+    from autotune import export, validate
+
+    new = validate.open_study(tuned["directory"], ctx.storage)
+    written = export.export(new, out=ctx.best_dir)
+    shutil.copyfile(new.best_dir / "validation.json", ctx.best_dir / "validation.json")
+    return [str(p) for p in written] + [str(ctx.best_dir / "validation.json")]
+
+
+def flag_changes(adapter, old: list[str], new: list[str]) -> list[dict]:
+    """[{flag, old, new}] between two engine commands (address flags left out)."""
+    from autotune.export import _groups
+
+    def options(argv):
+        return {g[0]: " ".join(g[1:]) or "(set)" for g in _groups(adapter.engine_args(argv))
+                if g[0] not in ("--host", "--port")}
+
+    a, b = options(old), options(new)
+    return [{"flag": f, "old": a.get(f), "new": b.get(f)} for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+
+
+# -- the whole check -------------------------------------------------------------------------------
+def parse_tolerance(text: str) -> float:
+    """"5%" or 0.05 -> 0.05."""
+    try:
+        value = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise ValueError(f"--tolerance {text!r}: expected a share such as 5% or 0.05")
+    return value
+
+
+def check(study: str | Path, *, storage: str | None = None, tolerance: float = 0.05, retune_budget_s: float | None = 1200,
+          retune_trials: int = 25, force: bool = False, launch_timeout_s: float = 300.0, console=None) -> dict:
+    """Everything `autotune ci` does; returns the machine-readable result (its `exit_code` is the verdict).
+    Raises ValueError (one line) on a study that cannot be checked."""
+    from autotune import validate
+    from autotune.engines import get_adapter
+    from autotune.hardware import probe
+
+    ctx = validate.open_study(study, storage)
+    if not ctx.provenance:
+        raise ValueError(f"study {ctx.name!r} has no provenance.json to compare with")
+    hardware = probe()
+    current = fingerprint(ctx.engine, ctx.provenance.get("model"), ctx.provenance.get("draft_model"), hardware)
+    recorded = recorded_fingerprint(ctx.provenance)
+    changes, unrecorded = compare(recorded, current)
+    result = {"study": ctx.name, "directory": str(ctx.directory), "changes": changes, "unrecorded": unrecorded,
+              "fingerprint": current, "forced": force, "tolerance": tolerance}
+    if not changes and not force:
+        return {**result, "status": "unchanged", "exit_code": OK}
+    ref = reference(ctx)
+    result["recorded"] = {k: ref[k] for k in ("metric", "direction", "median", "validated", "trial")}
+    result["recheck"] = recheck(ctx, ref, tolerance=tolerance, launch_timeout_s=launch_timeout_s, console=console)
+    stamp = {"checked": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "verdict": result["recheck"]["verdict"],
+             "measured": result["recheck"].get("median"), "recorded": ref["median"], "changes": changes}
+    if result["recheck"]["verdict"] == "ok":
+        refresh_provenance(ctx, current, hardware, stamp, recorded)
+        return {**result, "status": "within_tolerance", "exit_code": OK}
+    old_argv = result["recheck"]["argv"]
+    tuned = retune(ctx, ref, budget_s=retune_budget_s, trials=retune_trials, console=console)
+    result["retune"] = {k: v for k, v in tuned.items() if k != "validation"}
+    winner = (tuned.get("validation") or {}).get("winner")
+    if winner:
+        result["files"] = install(ctx, tuned)
+        result["new"] = {"trial": winner["trial"], "study": tuned["study"], "median": winner["median"],
+                         "stats": {k: (v or {}).get("median") for k, v in winner["stats"].items()},
+                         "flags_changed": flag_changes(get_adapter(ctx.engine), old_argv, winner["argv"])}
+        refresh_provenance(ctx, current, hardware, {**stamp, "retuned": tuned["study"]}, recorded)
+    elif "problem" not in tuned:
+        result["retune"]["problem"] = "no configuration passed validation"
+    result.update(status="retuned" if winner else "regressed", exit_code=CHANGED)
+    result["summary"] = str(write_summary(ctx, result))
+    return result
+
+
+def write_summary(ctx, result: dict) -> Path:
+    """ci-summary.md: what changed, old vs new numbers, flags changed; written for a pull request."""
+    re_, ref, new, tuned = result["recheck"], result["recorded"], result.get("new"), result["retune"]
+    metric = ref["metric"]
+
+    def num(v):
+        return "-" if v is None else f"{v:.4g}"
+
+    def code(v):
+        return "-" if v is None else f"`{v}`"
+
+    title = "re-tuned" if new else "regressed, and the re-tune found no validated replacement"
+    lines = [f"# autotune ci: study `{ctx.name}` {title}", ""]
+    if result["changes"]:
+        lines += ["Environment changes since the study was tuned:", "", "| | recorded | now |", "|---|---|---|"]
+        lines += [f"| {c['key']} | `{c['recorded']}` | `{c['now']}` |" for c in result["changes"]]
+    else:
+        lines.append("No environment change: re-checked because of `--force`.")
+    lines += ["", f"Previous configuration ({Path(re_['source']).name}): **{re_['verdict']}**: {re_.get('reason')}"]
+    if re_.get("translated"):
+        lines += ["", "Renamed flags translated before retrying the launch:", ""]
+        lines += [f"- {n}" for n in re_["translated"]]
+    lines += ["", f"| {metric} | recorded{' (validated)' if ref['validated'] else ''} | previous configuration now | new configuration |",
+              "|---|---|---|---|",
+              f"| median | {num(ref['median'])} | {num(re_.get('median'))} | {num(new['median'] if new else None)} |"]
+    if new and ref["median"]:
+        lines.append(f"| vs recorded | | {num((re_.get('median') or 0) / ref['median'])}x | {num(new['median'] / ref['median'])}x |")
+    lines.append("")
+    if new:
+        if new["flags_changed"]:
+            lines += ["Flags changed:", "", "| flag | old | new |", "|---|---|---|"]
+            lines += [f"| `{f['flag']}` | {code(f['old'])} | {code(f['new'])} |" for f in new["flags_changed"]]
+        else:
+            lines.append("Flags changed: none (the previous configuration is still the best; its numbers are updated).")
+        lines += ["", "Files updated: " + ", ".join(f"`{Path(p).relative_to(ctx.directory)}`" for p in result["files"])]
+    lines += ["", f"Re-tune: study `{tuned['study']}` warm-started from `{tuned['from']}` ({tuned['enqueued']} previous "
+                  f"top configurations enqueued, {tuned['remembered_failures']} failed configurations remembered), "
+                  f"{tuned['measured']} trials measured."]
+    if tuned.get("problem"):
+        lines.append(f"Problem: {tuned['problem']}.")
+    path = ctx.directory / "ci-summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def describe(result: dict) -> list[str]:
+    """Lines for the terminal."""
+    out = []
+    if result["status"] == "unchanged":
+        out.append(f"{result['study']}: environment unchanged since the study was tuned; nothing to re-check")
+        if result["unrecorded"]:
+            out.append(f"  (not recorded by the study, so not compared: {', '.join(result['unrecorded'])})")
+        return out
+    for c in result["changes"]:
+        out.append(f"changed: {c['key']}: {c['recorded']} -> {c['now']}")
+    re_ = result["recheck"]
+    for note in re_.get("translated") or []:
+        out.append(f"translated: {note}")
+    out.append(f"re-check: {re_['verdict']}" + (f": {re_['reason']}" if re_.get("reason") else "")
+               + (f" ({result['recorded']['metric']} {re_['median']:.4g}, recorded {result['recorded']['median']:.4g})"
+                  if re_.get("median") is not None and result["recorded"]["median"] else ""))
+    if result["status"] == "within_tolerance":
+        out.append("within tolerance: provenance.json refreshed")
+    elif result.get("new"):
+        n = result["new"]
+        out.append(f"re-tuned: study {n['study']} trial {n['trial']}, {result['recorded']['metric']} {n['median']:.4g}; "
+                   f"{len(n['flags_changed'])} flags changed; summary in {result['summary']}")
+    else:
+        out.append(f"no replacement: {result['retune'].get('problem')}; summary in {result['summary']}")
+    return out
