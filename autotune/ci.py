@@ -284,11 +284,10 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
     plan = driver.plan(opts)
     study, _ = storage.open_study(name, plan.storage, objectives.directions(opts.objective),
                                   objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
-    configs = [t.user_attrs.get("config") or {} for t in validate.ranked(source)[:top]]
     exported = json.loads((ctx.best_dir / "launch.json").read_text()).get("config") \
         if (ctx.best_dir / "launch.json").exists() else None
-    if exported and exported not in configs:
-        configs.insert(0, exported)
+    configs = [exported] if exported else []  # first: what is deployed, measured afresh
+    configs += [c for c in (t.user_attrs.get("config") or {} for t in validate.ranked(source)[:top]) if c not in configs]
     for config in configs:
         known = {k: v for k, v in config.items() if k in plan.space.params}
         study.enqueue_trial(plan.space.trial_params(known), user_attrs={"seed_config": config, "warm_start": source.name})
