@@ -170,9 +170,9 @@ def draft_cost(frame: pd.DataFrame) -> dict:
     if k.std() > 0.5 and len(ok) >= 4:
         slope, intercept = np.polyfit(k, per_step, 1)
         if intercept > 0:
-            return {"c": round(max(slope / intercept, 1e-3), 5), "c_draft": round(c_draft, 5),
+            return {"c": round(float(max(slope / intercept, 1e-3)), 5), "c_draft": round(float(c_draft), 5),
                     "c_from": "step seconds regressed on k (draft + verify growth)"}
-    return {"c": round(max(c_draft, 1e-3), 5), "c_draft": round(c_draft, 5),
+    return {"c": round(float(max(c_draft, 1e-3)), 5), "c_draft": round(float(c_draft), 5),
             "c_from": "draft seconds per token / verify seconds per step"}
 
 
@@ -266,3 +266,157 @@ def draft_length(features: dict) -> int:
     """The embedded engine's Python-estimator hook (`autotune serve --draft-estimator this.py`)."""
     return estimate_draft_length(features.get("prompt_text") or "", features["temperature"], features["top_p"])
 '''
+
+
+# -- data: a study's per-request rows, or a collection pass against a live embedded server ---------------
+RUNTIME = ("draft_length", "draft_policy")  # knobs that change k, not the drafter
+
+
+def chat_renderer(model: str | None):
+    """messages -> the text the embedded engine's model sees (its chat template), from the checkpoint's metadata."""
+    from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+    from autotune.embedded.weights import bundled_gguf_path
+
+    path = Path(model).expanduser() if model else bundled_gguf_path()
+    if path.is_dir():
+        tokenizer = tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
+    else:
+        import gguf
+
+        tokenizer = tokenizer_from_gguf({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+    return tokenizer.apply_chat_template
+
+
+def study_rows(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
+    """The speculative rows of a study's requests/trial-N.parquet of its most measured drafter setup, and that setup.
+
+    Raises ValueError when the study holds no per-request data with speculation."""
+    files = sorted(Path(study_dir, "requests").glob("trial-*.parquet"))
+    if not files:
+        raise ValueError(f"{study_dir} has no per-request data (requests/trial-N.parquet)")
+    frame = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    frame = frame[frame["ok"].astype(bool) & (frame["spec_verify_steps"].fillna(0) > 0)]
+    if frame.empty or "config" not in frame:
+        raise ValueError(f"{study_dir}: no request in its per-request data used speculative decoding")
+    configs = frame["config"].map(json.loads)
+    setups = configs.map(lambda c: json.dumps({k: v for k, v in sorted(c.items()) if k not in RUNTIME}))
+    setup = setups.value_counts().index[0]
+    frame, configs = frame[setups == setup], configs[setups == setup]
+    render = chat_renderer(json.loads(setup).get("model"))
+    rows = frame.assign(
+        text=[render([{"role": "user", "content": p}]) if api == "chat" else p for p, api in zip(frame["prompt"], frame["api"])],
+        k=configs.map(lambda c: c.get("draft_length", 4)))
+    config = dict(json.loads(setup), draft_length=int(rows["k"].mode()[0]))
+    return rows.reset_index(drop=True), config
+
+
+class Server:
+    """An embedded server launched for collection or evaluation (stopped on exit)."""
+
+    def __init__(self, config: dict, log_dir: Path, model: str | None = None, extra: tuple = ()):
+        from autotune.engines.embedded import EmbeddedAdapter
+        from autotune.engines.launcher import Launcher, free_port
+
+        port = free_port()
+        settings = {k: v for k, v in config.items() if k != "model"}
+        argv, env = EmbeddedAdapter().command(settings, model=model or config.get("model"), draft_model=None,
+                                              host="127.0.0.1", port=port, extra_args=extra)
+        self.url = f"http://127.0.0.1:{port}"
+        self.launcher = Launcher(argv, log_path=log_dir / "server.log", health_url=self.url + "/health", env=env)
+
+    def __enter__(self):
+        self.launcher.start(timeout=300)
+        return self
+
+    def __exit__(self, *exc):
+        self.launcher.stop()
+
+
+def send(client, url: str, request: dict, **extra) -> dict:
+    """One request, non-streamed: its usage, text and wall seconds."""
+    import time
+
+    body = {k: v for k, v in request.items() if k != "api"} | extra
+    path = "/v1/chat/completions" if request["api"] == "chat" else "/v1/completions"
+    t0 = time.perf_counter()
+    response = client.post(url + path, json=body)
+    seconds = time.perf_counter() - t0
+    response.raise_for_status()
+    doc = response.json()
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if request["api"] == "chat" else choice["text"]
+    return {**doc["usage"], "output": text, "seconds": seconds}
+
+
+def requests_of(workloads: list[str], *, exclude: list[dict] = (), max_tokens: int, temperatures=None) -> list[dict]:
+    """Shipped or file workloads as request bodies (minus `exclude`'s prompts), capped at max_tokens;
+    temperatures, when given, are assigned round robin (the shipped code/chat/repetitive sets are greedy only)."""
+    from autotune.bench import load_workload
+
+    seen = {json.dumps(r.get("messages") or r.get("prompt")) for r in exclude}
+    out = []
+    for name in workloads:
+        for r in load_workload(name).requests:
+            if json.dumps(r.get("messages") or r.get("prompt")) not in seen:
+                out.append(dict(r, max_tokens=min(r.get("max_tokens", max_tokens), max_tokens), ignore_eos=True))
+    for i, r in enumerate(out):
+        if temperatures:
+            r["temperature"] = temperatures[i % len(temperatures)]
+        r.setdefault("temperature", 1.0)
+        r["seed"] = i
+    return out
+
+
+def progress(total: int, label: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+    return bar, bar.add_task(label, total=total)
+
+
+def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetitive"), exclude: str = "mixed",
+            ks=(1, 2, 4, 6, 8), temperatures=(0.0, 0.3, 0.7, 1.0), max_tokens: int = 48,
+            limit: int | None = None) -> pd.DataFrame:
+    """Rows to fit on, measured here: the workloads' prompts (minus the held-out `exclude` set) at several
+    fixed k (round robin, per-request draft_length) and temperatures, one at a time on a fresh server."""
+    import httpx
+
+    from autotune.bench import load_workload
+
+    held_out = load_workload(exclude).requests if exclude else []
+    todo = requests_of(list(workloads), exclude=held_out, max_tokens=max_tokens, temperatures=temperatures)[:limit]
+    render = chat_renderer(config.get("model"))
+    rows = []
+    bar, task = progress(len(todo), "collect")
+    with Server(config, log_dir) as server, httpx.Client(timeout=300) as client, bar:
+        for i, request in enumerate(todo):
+            k = ks[i % len(ks)]
+            usage = send(client, server.url, request, draft_length=k)
+            text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
+            rows.append({**usage, "text": text, "temperature": request["temperature"],
+                         "top_p": request.get("top_p", 1.0), "k": k})
+            bar.advance(task)
+    return pd.DataFrame(rows)
+
+
+def fit_from_study(study_dir: str | Path, out: str | Path | None = None, *, collect_if_missing: bool = False,
+                   config: dict | None = None) -> Path:
+    """The end-of-run hook: fit on the study's per-request data; writes estimator.json and
+    draft_length_estimator.py into `out` (default: the study directory). Returns estimator.json's path.
+
+    Without per-request data, collect_if_missing runs a collection pass with `config` (default: ngram, k=4)."""
+    study_dir = Path(study_dir)
+    out = Path(out) if out else study_dir
+    try:
+        rows, setup = study_rows(study_dir)
+        source = f"study {study_dir}"
+    except ValueError:
+        if not collect_if_missing:
+            raise
+        out.mkdir(parents=True, exist_ok=True)
+        setup = config or {"drafter": "ngram", "draft_length": 4}
+        rows, source = collect(setup, out), "collection pass (code, chat, repetitive; k 1..8; temperatures 0..1)"
+        rows.to_parquet(out / "estimator-data.parquet", index=False)
+    estimator = fit(rows, source=source)
+    estimator.info["engine_config"] = setup
+    return estimator.write(out)
