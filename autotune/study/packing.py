@@ -88,7 +88,7 @@ class GpuPool:
         self.cond = threading.Condition()
 
     @classmethod
-    def for_hardware(cls, hardware) -> "GpuPool":
+    def for_hardware(cls, hardware) -> GpuPool:
         gpus = usable_gpus(hardware)
         return cls(gpus, nvlink_domains(gpus, getattr(hardware, "topology", None)))
 
