@@ -418,6 +418,109 @@ def ci(
             typer.echo(line)
     raise typer.Exit(result["exit_code"])
 
+# -- autotune estimator fit / eval: the per-request draft-length estimator ------------------------------
+estimator_app = typer.Typer(no_args_is_help=True, help="Fit and evaluate the runtime draft-length estimator.")
+app.add_typer(estimator_app, name="estimator")
+
+
+def _study_path(study: str):
+    from pathlib import Path
+
+    from autotune.study import storage as store
+
+    return Path(study) if Path(study).is_dir() else store.study_dir(study)
+
+
+def _estimator_errors():
+    import httpx
+
+    from autotune.engines.launcher import LaunchError
+
+    return ValueError, OSError, KeyError, LaunchError, httpx.HTTPError
+
+
+@estimator_app.command("fit")
+def estimator_fit(
+    study: str = typer.Argument(..., help=_STUDY_HELP + " (fitted on its requests/trial-N.parquet)"),
+    out: str = typer.Option(None, help="where estimator.json and draft_length_estimator.py go (default: the study's dir)"),
+    collect: bool = typer.Option(True, help="without per-request data in the study, collect it on a live embedded server"),
+    drafter: str = typer.Option("ngram", help="drafter of the collection pass"),
+    data: str = typer.Option(None, help="fit on this parquet of per-request rows (a saved collection pass) instead"),
+):
+    """Fit alpha per prompt-feature bucket x temperature band, c, and the best k; write the estimator."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from autotune import estimator as est
+
+    try:
+        if data:
+            rows = pd.read_parquet(data)
+            fitted = est.fit(rows, source=f"rows {data}")
+            fitted.info["engine_config"] = {"drafter": drafter, "draft_length": int(rows["k"].mode()[0])}
+            path = fitted.write(Path(out or _study_path(study)))
+        else:
+            path = est.fit_from_study(_study_path(study), out, collect_if_missing=collect,
+                                      config={"drafter": drafter, "draft_length": 4})
+    except _estimator_errors() as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _fail(RuntimeError("interrupted"), 130)
+    doc = __import__("json").loads(path.read_text())
+    quality = ", ".join(f"{n} {q['spearman']}" for n, q in doc["feature_quality"].items() if q["spearman"] is not None)
+    typer.echo(f"fitted on {doc['requests']} requests ({doc['source']}); Spearman vs alpha: {quality or 'n/a'}")
+    typer.echo(f"feature {doc['feature']} (fallback {doc['fallback_feature']}), thresholds {doc['thresholds']}, "
+               f"c = {doc['c']} ({doc['c_from']})")
+    for cell in doc["buckets"]:
+        typer.echo(f"  temperature {cell['temperature']} {doc['feature']} {cell[doc['feature']]}: "
+                   f"{cell['requests']} requests, alpha {cell['alpha']} ({cell['alpha_from']}), k {cell['k']}")
+    typer.echo(f"wrote {path} and {path.with_name('draft_length_estimator.py')}")
+
+
+@estimator_app.command("eval")
+def estimator_eval(
+    estimator: str = typer.Option(None, help="estimator.json (default: the study's)"),
+    study: str = typer.Option(None, help=_STUDY_HELP),
+    workload: str = typer.Option("mixed", help="held-out workload (shipped name or JSONL)"),
+    fixed: str = typer.Option(None, help="fixed draft lengths to compare, e.g. 2,4,6 (default: the table's k and the config's)"),
+    repeats: int = typer.Option(2, help="passes over the workload (median)"),
+    max_tokens: int = typer.Option(32, help="cap on output tokens per request"),
+    limit: int = typer.Option(None, help="first N requests of the workload only"),
+    out: str = typer.Option(None, help="directory for eval.json and the server log (default: next to the estimator)"),
+):
+    """Throughput with the estimator vs the best single fixed draft length, same server, interleaved."""
+    from pathlib import Path
+
+    from autotune import estimator as est
+
+    if not estimator and not study:
+        _fail(ValueError("give --estimator FILE or --study STUDY"))
+    path = Path(estimator) if estimator else _study_path(study) / "estimator.json"
+    try:
+        ks = [int(k) for k in fixed.split(",")] if fixed else None
+        if repeats < 1 or max_tokens < 1:
+            raise ValueError("--repeats and --max-tokens must be >= 1")
+        doc = est.evaluate(path, Path(out) if out else path.parent / "estimator-eval", workload=workload, fixed=ks,
+                           repeats=repeats, max_tokens=max_tokens, limit=limit)
+    except _estimator_errors() as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _fail(RuntimeError("interrupted"), 130)
+    best = doc["best_fixed"]
+    typer.echo("tok/s (median of repeats): " + ", ".join(f"{a} {v:.2f}" for a, v in doc["tok_s_median"].items()))
+    typer.echo(f"{'band':>4} {'bucket':>6} {'reqs':>4} {'k':>2} {'alpha':>6} {'estimator':>9} {best:>9} {'ratio':>6}")
+    for r in doc["buckets"]:
+        alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
+        typer.echo(f"{r['band']:>4} {r['bucket']:>6} {r['requests']:>4} {r['k']:>2} {alpha:>6} "
+                   f"{r['estimator_tok_s']:>9.2f} {r[best + '_tok_s']:>9.2f} {r['ratio']:>6.3f}")
+    typer.echo(f"estimator vs best fixed ({best}): {doc['gain']:+.1%} over {doc['requests']} requests x {doc['repeats']}")
+    if doc["greedy_outputs_differ"]:
+        typer.echo(f"error: greedy outputs differ from {best} on requests {doc['greedy_outputs_differ']}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"greedy outputs identical on all {doc['greedy_requests']} temperature-0 requests")
+
+
 def main() -> None:
     """Console entry point: a usage error (bad flag, wrong type) is one line on stderr and exit 2."""
     from typer._click import exceptions as click_errors  # typer vendors its own click
