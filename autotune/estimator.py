@@ -302,7 +302,8 @@ def study_rows(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
     setups = configs.map(lambda c: json.dumps({k: v for k, v in sorted(c.items()) if k not in RUNTIME}))
     setup = setups.value_counts().index[0]
     frame, configs = frame[setups == setup], configs[setups == setup]
-    render = chat_renderer(json.loads(setup).get("model"))
+    # H10's rows keep the user's text; the engine's features see the chat template around it
+    render = chat_renderer(json.loads(setup).get("model")) if (frame["api"] == "chat").any() else None
     rows = frame.assign(
         text=[render([{"role": "user", "content": p}]) if api == "chat" else p for p, api in zip(frame["prompt"], frame["api"])],
         k=configs.map(lambda c: c.get("draft_length", 4)))
@@ -420,3 +421,77 @@ def fit_from_study(study_dir: str | Path, out: str | Path | None = None, *, coll
     estimator = fit(rows, source=source)
     estimator.info["engine_config"] = setup
     return estimator.write(out)
+
+
+# -- evaluation: the estimator against the best single fixed k, same server, interleaved ----------------
+def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixed", fixed: list[int] | None = None,
+             repeats: int = 2, max_tokens: int = 32, limit: int | None = None) -> dict:
+    """Throughput (completion tokens / request seconds, one request at a time) of the estimator policy and of
+    each fixed k on one server; per request the arms run back to back in rotating order, each repeat a full
+    pass. Medians over repeats; greedy (temperature 0) outputs of the estimator and the best fixed k compared."""
+    import statistics
+
+    import httpx
+
+    from autotune.embedded.draft_policy import load_estimator
+
+    estimate = load_estimator(str(estimator_path))  # the engine's own reading of the file: one-line ValueError
+    doc = json.loads(Path(estimator_path).read_text())
+    config = dict(doc.get("engine_config") or {"drafter": "ngram", "draft_length": 4}, draft_policy="fixed")
+    fixed = fixed or sorted({k for row in doc["k_table"] for k in row} | {config["draft_length"]})
+    todo = requests_of([workload], max_tokens=max_tokens)[:limit]
+    arms = ["estimator", *(f"k={k}" for k in fixed)]
+    runs = {arm: [] for arm in arms}
+    bar, task = progress(len(todo) * len(arms) * repeats, "eval")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with Server(config, log_dir, extra=("--draft-estimator", str(estimator_path))) as server, \
+            httpx.Client(timeout=300) as client, bar:
+        client.post(server.url + "/admin/runtime", json={"draft_policy": "estimator"}).raise_for_status()
+        for rep in range(repeats):
+            results = {arm: [] for arm in arms}
+            for i, request in enumerate(todo):
+                turn = (i + rep) % len(arms)
+                for arm in arms[turn:] + arms[:turn]:
+                    extra = {} if arm == "estimator" else {"draft_length": int(arm[2:])}
+                    results[arm].append(send(client, server.url, request, **extra))
+                    bar.advance(task)
+            for arm in arms:
+                runs[arm].append(results[arm])
+
+    def tok_s(results):
+        return sum(r["completion_tokens"] for r in results) / sum(r["seconds"] for r in results)
+
+    medians = {arm: statistics.median(tok_s(rep) for rep in runs[arm]) for arm in arms}
+    best = max(arms[1:], key=medians.get)
+    greedy = [i for i, r in enumerate(todo) if r["temperature"] == 0]
+    differ = sorted({i for rep in range(repeats) for i in greedy
+                     if runs["estimator"][rep][i]["output"] != runs[best][rep][i]["output"]})
+    render = chat_renderer(config.get("model"))
+    table = {}
+    for i, request in enumerate(todo):
+        text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
+        mine = [rep[i] for rep in runs["estimator"]]
+        features = {"prompt_entropy": mine[0]["prompt_entropy"] or 0.0, "prompt_text": text,
+                    "prompt_tokens": mine[0]["prompt_tokens"], "prompt_chars": len(text),
+                    "temperature": request["temperature"], "top_p": request.get("top_p", 1.0)}
+        value = features[doc["feature"]] if doc["feature"] in features else TEXT_FEATURES[doc["feature"]](text)
+        band = int(np.searchsorted(doc["temperature_edges"], request["temperature"], side="left"))
+        cell = table.setdefault((band, int(np.searchsorted(doc["thresholds"], value, side="right"))),
+                                {"k": estimate(features), "requests": 0, "mine": [], "best": []})
+        cell["requests"] += 1
+        cell["mine"] += mine
+        cell["best"] += [rep[i] for rep in runs[best]]
+    rows = []
+    for (band, bucket), cell in sorted(table.items()):
+        accepted = sum(r["spec_accepted_tokens"] for r in cell["mine"])
+        rejections = sum(r["spec_rejections"] for r in cell["mine"])
+        rows.append({"band": band, "bucket": bucket, "requests": cell["requests"], "k": cell["k"],
+                     "alpha": alpha_mle(accepted, rejections), "estimator_tok_s": tok_s(cell["mine"]),
+                     f"{best}_tok_s": tok_s(cell["best"]), "ratio": tok_s(cell["mine"]) / tok_s(cell["best"])})
+    report = {"estimator": str(estimator_path), "workload": workload, "requests": len(todo), "repeats": repeats,
+              "max_tokens": max_tokens, "engine_config": config, "tok_s_median": medians, "best_fixed": best,
+              "gain": medians["estimator"] / medians[best] - 1,
+              "tok_s_per_repeat": {arm: [tok_s(rep) for rep in runs[arm]] for arm in arms},
+              "greedy_requests": len(greedy), "greedy_outputs_differ": differ, "buckets": rows}
+    (log_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

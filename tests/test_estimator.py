@@ -1,0 +1,127 @@
+"""The draft-length estimator: fit on synthetic acceptance with known alpha, the standalone module, the
+engine applying a produced estimator.json per request, one-line errors."""
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+
+from autotune.embedded.draft_policy import load_estimator
+from autotune.estimator import best_k, fit, fit_from_study
+
+C = 0.1
+# Prompts far apart on both model-free features: a loop, plain prose, text without a repeated word.
+PROMPTS = ["1 2 3 4 5 " * 40, "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 2,
+           "Explain tide pools to a curious twelve-year-old, with three creatures found there."]
+TEMPERATURES = (0.0, 0.3, 0.9)  # one per band
+ALPHA = {(0, 0): 0.9, (0, 1): 0.6, (0, 2): 0.3, (1, 0): 0.8, (1, 1): 0.5, (1, 2): 0.2,
+         (2, 0): 0.7, (2, 1): 0.4, (2, 2): 0.15}  # (band, bucket) -> true per-token acceptance
+
+
+def synthetic_rows(seed=0, requests=20, steps=100, k=6) -> pd.DataFrame:
+    """Verify steps simulated as the engine runs them: proposals accepted with prob alpha, stop at the first rejection."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (band, bucket), alpha in ALPHA.items():
+        for r in range(requests):
+            accepts = [next((n for n in range(k) if rng.random() >= alpha), k) for _ in range(steps)]
+            rows.append({"text": PROMPTS[bucket] + " " * r, "temperature": TEMPERATURES[band], "top_p": 1.0,
+                         "spec_verify_steps": steps, "spec_draft_tokens": steps * k, "k": k,
+                         "spec_accepted_tokens": sum(accepts), "spec_rejections": sum(a < k for a in accepts)})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return fit(synthetic_rows(), c=C, max_k=8)
+
+
+def test_fit_recovers_alpha_and_optimal_k(fitted):
+    assert fitted.primary.feature in ("compression_ratio", "unigram_entropy")  # no engine entropy in the data
+    assert len(fitted.primary.thresholds) == 2
+    for cell in fitted.primary.buckets:
+        true = ALPHA[(cell["band"], cell["bucket"])]
+        assert cell["alpha_from"] == "cell" and abs(cell["alpha"] - true) < 0.03, cell
+        assert cell["k"] == best_k(true, C, 8), cell
+    assert {cell["k"] for cell in fitted.primary.buckets} >= {1, 4, 8}  # the table really varies
+    # accepted / proposed is biased low (proposals after a rejection are never tested): not what the fit uses
+    rows = synthetic_rows()
+    top = rows[(rows["temperature"] == 0.0) & rows["text"].str.startswith("1 2")]
+    assert top["spec_accepted_tokens"].sum() / top["spec_draft_tokens"].sum() < ALPHA[(0, 0)] - 0.1
+
+
+def test_standalone_module_and_engine_agree_with_the_fit(fitted, tmp_path):
+    path = fitted.write(tmp_path)
+    doc = json.loads(path.read_text())
+    assert {"thresholds", "k_table", "buckets", "c", "feature_quality", "data", "fallback"} <= set(doc)
+    spec = importlib.util.spec_from_file_location("standalone", tmp_path / "draft_length_estimator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    imports = [line for line in (tmp_path / "draft_length_estimator.py").read_text().splitlines()
+               if line.startswith(("import ", "from "))]
+    assert all(line.split()[1] in ("bisect", "math", "re", "zlib") for line in imports), imports
+    engine = load_estimator(str(path))
+    words = "def return the of a 1 2 3 x = ( ) : print tide pools fox dog".split()
+    seen = set()
+    for i in range(300):
+        rnd = random.Random(i)
+        prompt = " ".join(rnd.choice(words) for _ in range(rnd.randint(1, 120)))
+        temperature = rnd.choice([0.0, 0.1, 0.5, 0.7, 1.0])
+        k = fitted.draft_length(prompt, temperature)
+        assert module.estimate_draft_length(prompt, temperature) == k
+        assert engine({"prompt_text": prompt, "temperature": temperature, "top_p": 1.0}) == k
+        seen.add(k)
+    assert len(seen) >= 3
+
+
+@pytest.mark.slow
+def test_engine_applies_the_estimator_per_request(fitted, tmp_path, start_embedded_server):
+    path = fitted.write(tmp_path)
+    loop, prose = "1 2 3 4 5 " * 20, PROMPTS[2]
+    assert (fitted.draft_length(loop, 0.0), fitted.draft_length(prose, 0.9)) == (8, 1)
+    server = start_embedded_server(drafter="ngram", draft_policy="estimator", draft_estimator=str(path),
+                                   max_seq_len=512)
+    usage = {}
+    for name, prompt, temperature in (("loop", loop, 0.0), ("prose", prose, 0.9)):
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": temperature, "seed": 1, "ignore_eos": True}
+        usage[name] = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    loop_usage, prose_usage = usage["loop"], usage["prose"]
+    assert loop_usage["spec_draft_tokens"] > 3 * loop_usage["spec_verify_steps"]  # k = 8 on a loop the n-grams match
+    assert prose_usage["spec_draft_tokens"] <= prose_usage["spec_verify_steps"]  # k = 1
+    assert {"spec_rejections", "spec_draft_seconds", "spec_verify_seconds"} <= set(loop_usage)
+
+
+def test_study_rows_and_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="no request data"):
+        fit(pd.DataFrame())
+    no_speculation = synthetic_rows(requests=1).assign(spec_verify_steps=0)
+    with pytest.raises(ValueError, match="too little speculation"):
+        fit(no_speculation, c=C)
+    with pytest.raises(ValueError, match="draft/verify times"):
+        fit(synthetic_rows(requests=2))  # no c given and no times to measure it from
+    with pytest.raises(ValueError, match="no per-request data"):
+        fit_from_study(tmp_path)
+
+    # a study's per-request parquet (the tuner's layout): fitted, with rejections and c from the rows
+    rows = synthetic_rows(requests=4).rename(columns={"text": "prompt"}).assign(
+        api="completions", ok=True, config=json.dumps({"drafter": "ngram", "draft_length": 6}),
+        spec_draft_seconds=lambda f: f["spec_draft_tokens"] * 1e-4, spec_verify_seconds=lambda f: f["spec_verify_steps"] * 0.02)
+    (tmp_path / "requests").mkdir()
+    rows.drop(columns=["k"]).to_parquet(tmp_path / "requests" / "trial-0.parquet")
+    doc = json.loads(fit_from_study(tmp_path).read_text())
+    assert doc["engine_config"] == {"drafter": "ngram", "draft_length": 6} and doc["requests"] == len(rows)
+    assert doc["c"] == pytest.approx(1e-4 / 0.02, rel=1e-3) and doc["max_k"] == 6
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**doc, "k_table": [[1, 2]]}))
+    with pytest.raises(ValueError, match="one row per temperature band"):
+        load_estimator(str(bad))
+    cli = [sys.executable, "-m", "autotune.cli", "estimator"]
+    for argv in (["fit", str(tmp_path / "nowhere"), "--no-collect"], ["eval", "--estimator", str(bad)]):
+        done = subprocess.run(cli + argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done
