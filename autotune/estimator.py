@@ -157,22 +157,29 @@ def finite(bounds: list[float]) -> list[float | None]:
 
 
 def draft_cost(frame: pd.DataFrame) -> dict:
-    """c from the engine's draft and verify seconds (see the module docstring)."""
-    if not {"spec_draft_seconds", "spec_verify_seconds"} <= set(frame) or frame["spec_verify_seconds"].isna().all():
-        raise ValueError("the request data has no draft/verify times (spec_draft_seconds, spec_verify_seconds); "
-                         "give the draft cost ratio c explicitly")
-    ok = frame[(frame["spec_verify_steps"] > 0)].dropna(subset=["spec_draft_seconds", "spec_verify_seconds"])
-    steps = ok["spec_verify_steps"]
-    per_step = (ok["spec_draft_seconds"] + ok["spec_verify_seconds"]) / steps
-    k = ok["spec_draft_tokens"] / steps
-    draft_per_token = ok["spec_draft_seconds"].sum() / max(ok["spec_draft_tokens"].sum(), 1)
-    c_draft = draft_per_token / (ok["spec_verify_seconds"].sum() / steps.sum())
+    """c from the engine's draft and verify seconds (see the module docstring); without them (a study whose
+    rows lack spec_*_seconds), from client-side decode seconds per verify step regressed on k."""
+    ok = frame[frame["spec_verify_steps"] > 0]
+    steps, k = ok["spec_verify_steps"], ok["spec_draft_tokens"] / ok["spec_verify_steps"]
+    timed = {"spec_draft_seconds", "spec_verify_seconds"} <= set(ok) and ok["spec_verify_seconds"].notna().all()
+    if timed:
+        per_step = (ok["spec_draft_seconds"] + ok["spec_verify_seconds"]) / steps
+        draft_per_token = ok["spec_draft_seconds"].sum() / max(ok["spec_draft_tokens"].sum(), 1)
+        c_draft = float(draft_per_token / (ok["spec_verify_seconds"].sum() / steps.sum()))
+    elif {"e2e_ms", "ttft_ms"} <= set(ok) and ok["e2e_ms"].notna().all():
+        per_step, c_draft = (ok["e2e_ms"] - ok["ttft_ms"]) / 1000 / steps, None
+    else:
+        raise ValueError("the request data has no draft/verify times (spec_draft_seconds, spec_verify_seconds) "
+                         "nor request latencies; give the draft cost ratio c explicitly")
     if k.std() > 0.5 and len(ok) >= 4:
         slope, intercept = np.polyfit(k, per_step, 1)
         if intercept > 0:
-            return {"c": round(float(max(slope / intercept, 1e-3)), 5), "c_draft": round(float(c_draft), 5),
-                    "c_from": "step seconds regressed on k (draft + verify growth)"}
-    return {"c": round(float(max(c_draft, 1e-3)), 5), "c_draft": round(float(c_draft), 5),
+            return {"c": round(float(max(slope / intercept, 1e-3)), 5), "c_draft": c_draft and round(c_draft, 5),
+                    "c_from": "step seconds regressed on k (" + ("engine draft + verify times)" if timed else
+                                                               "client decode time per verify step)")}
+    if c_draft is None:
+        raise ValueError("the request data has one draft length only and no draft/verify times: c cannot be measured")
+    return {"c": round(max(c_draft, 1e-3), 5), "c_draft": round(c_draft, 5),
             "c_from": "draft seconds per token / verify seconds per step"}
 
 
