@@ -176,6 +176,14 @@ def run(
         raise typer.Exit(130)
     if outcome.best is None:
         raise typer.Exit(1)
+    if not outcome.interrupted:  # prove the winner on fresh launches, then hand it over
+        from autotune.validate import finish_study
+
+        try:
+            finish_study(outcome.directory, outcome.storage, run_options=opts, **driver.FINISH.get(engine, {}))
+        except KeyboardInterrupt:
+            typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
+            raise typer.Exit(130)
 
 
 # -- autotune bench: load an OpenAI-compatible server, measure it ---------------------------------------

@@ -1,4 +1,4 @@
-"""Search spaces: YAML loading, conditional parameters, user narrowing, hardware conditions, memory fit."""
+"""Search spaces: YAML loading, conditional parameters, user narrowing, hardware conditions."""
 import dataclasses
 
 import optuna
@@ -6,7 +6,7 @@ import pytest
 
 from autotune.hardware import get_profile, planned
 from autotune.space import SpaceError, load_space, parse_set_options, parse_space
-from autotune.space.constraints import estimate_memory, hardware_violations, model_shape, restrict_space
+from autotune.space.constraints import hardware_violations, model_shape, restrict_space
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -96,12 +96,3 @@ def test_hardware_conditions():
     space = restrict_space(load_space("embedded"), None, shape, draft_model=None)
     assert "draft_model" not in space.params["drafter"].choices
     assert space.params["cuda_graph_batch_sizes"].fixed == []
-
-
-def test_memory_fit_reports_numbers():
-    shape = model_shape(None)
-    h100 = planned(get_profile("h100-sxm5"))
-    small = estimate_memory({"verify_slots": 4, "dtype": "float32"}, h100, shape)
-    assert small.fits and 0.4 < small.detail["weights"] < 0.6  # 135M float32 weights
-    huge = estimate_memory({"verify_slots": 4096, "dtype": "float32"}, h100, shape)
-    assert not huge.fits and "kv cache" in huge.reason() and "GB" in huge.reason()

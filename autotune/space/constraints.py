@@ -1,9 +1,9 @@
-"""Hardware conditions and a memory-fit estimate, checked before any launch.
+"""Hardware conditions, checked before any launch (memory fit: autotune/predict/memory.py).
 
 Cross-flag rules of one engine live in its adapter (`autotune/engines/<engine>.py: check`); what
 depends on the machine and the model lives here: FP8 only where the GPU has it (natively on
 cc >= 8.9, weight-only through Marlin W8A16 on Ampere), tensor parallelism dividing the GPU count
-and the model's attention heads, CUDA graphs only on CUDA, and weights + KV cache fitting memory.
+and the model's attention heads, CUDA graphs only on CUDA.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from autotune.space.space import Space
 
 TP_NAMES = ("tp_size", "tensor_parallel_size")
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2, "half": 2}
 
 
 @dataclass
@@ -154,70 +153,3 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
     if "early_exit_layers" in params and shape:
         narrow("early_exit_layers", high=min(params["early_exit_layers"].high, shape.n_layers - 1))
     return replace(space, params=params)
-
-
-# -- memory ------------------------------------------------------------------------------------------
-@dataclass
-class MemoryFit:
-    need_gb: float
-    have_gb: float
-    detail: dict
-
-    @property
-    def fits(self) -> bool:
-        return self.need_gb <= self.have_gb
-
-    def reason(self) -> str:
-        parts = ", ".join(f"{k} {v:.2f} GB" for k, v in self.detail.items())
-        return f"memory: needs {self.need_gb:.2f} GB ({parts}) but {self.have_gb:.2f} GB is available"
-
-
-def estimate_memory(config: dict, hw, shape: ModelShape | None, draft_shape: ModelShape | None = None,
-                    max_seq_len: int = 2048) -> MemoryFit | None:
-    """Weights + KV cache against the memory this config may use (a simple estimate; the full
-    model is autotune/predict.py's job). None when the model's shape is unknown."""
-    if shape is None:
-        return None
-    gib = 1024**3
-    gpus = _gpu_count(hw)
-    dtype = str(config.get("dtype", "bfloat16" if gpus else "float32"))
-    weight_bytes = 1 if config.get("quantization") not in (None, "none") else BYTES_PER_WEIGHT.get(dtype, 2)
-    tp = max([config.get(k) or 1 for k in TP_NAMES] + [1])
-    detail = {"weights": shape.n_params * weight_bytes / tp / gib}
-    drafter = config.get("drafter")
-    if drafter == "quantized_self":
-        detail["int8 draft copy"] = shape.n_params / tp / gib
-    if drafter == "draft_model" and draft_shape:
-        detail["draft weights"] = draft_shape.n_params * BYTES_PER_WEIGHT.get(dtype, 2) / gib
-    slots = config.get("verify_slots") or config.get("max_running_requests") or config.get("max_num_seqs")
-    if slots:  # engines that size the KV cache by slots; the others take a fraction of what is left
-        kv_per_token = 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * BYTES_PER_WEIGHT.get(dtype, 2)
-        detail["kv cache"] = kv_per_token * slots * max_seq_len / tp / gib
-    if gpus:
-        fraction = config.get("mem_fraction_static") or config.get("gpu_memory_utilization") or 0.9
-        have = _gpu_memory_gb(hw) * fraction
-    else:
-        have = _available_ram_gb()
-    return MemoryFit(sum(detail.values()), have, detail)
-
-
-def _gpu_memory_gb(hw) -> float:
-    profile = getattr(hw, "profile", None)
-    if profile is not None and getattr(profile, "memory_gb", None):
-        return float(profile.memory_gb)
-    gpus = getattr(hw, "gpus", None) or []
-    for gpu in gpus:
-        for attr in ("memory_gb", "memory_total_gb"):
-            if getattr(gpu, attr, None):
-                return float(getattr(gpu, attr))
-    return 0.0
-
-
-def _available_ram_gb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024**2
-    except OSError:
-        pass
-    return float("inf")

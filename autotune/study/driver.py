@@ -24,19 +24,29 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from autotune import predict
 from autotune.space import constraints
-from autotune.space.space import Space, SpaceError, load_overrides, load_space, parse_set_options, parse_space
+from autotune.space.space import Space, load_overrides, load_space, parse_set_options, parse_space
 from autotune.study import objectives, storage
 from autotune.study.live import LiveView
 
 DEFAULT_TRIALS = 25
-DEFAULT_EMBEDDED_BUDGET_S = 14 * 60
+# The default embedded run ends in about 15 minutes: the study, then validation (FINISH) and the report.
+DEFAULT_EMBEDDED_BUDGET_S = 11 * 60
+FINISH = {"embedded": {"top": 2, "repeats": 2}}  # validation size after `autotune run` (else validate's own)
 # Per-trial load when the user gives none: small for the embedded engine on a CPU (a trial is about
 # half a minute, so the default study fits its budget), a serving-sized load for SGLang/vLLM.
 DEFAULT_LOAD = {"embedded": {"concurrency": 4, "num_requests": 8, "max_tokens": 48},
                 "sglang": {"concurrency": 32, "num_requests": 128, "max_tokens": 256},
                 "vllm": {"concurrency": 32, "num_requests": 128, "max_tokens": 256}}
 MAX_IDLE_ASKS = 30  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
+# A quick measurement may take this many times the defaults trial's quick wave before its requests
+# time out and the trial is pruned: a hopeless configuration costs seconds, not the client's 2 minutes.
+QUICK_TIMEOUT_FACTOR = 3.0
+QUICK_TIMEOUT_FLOOR_S = 10.0
+PREDICTED_SEEDS = 3  # best predicted configurations enqueued after the seeds
+CALIBRATE_AFTER = 4  # measured trials before the speed model is refitted to this machine
+RUN_OPTIONS = ("workload", "slo", "concurrency", "num_requests", "max_tokens", "seed", "model", "draft_model")
 
 
 @dataclass
@@ -78,7 +88,8 @@ class Plan:
     workload: object
     slo: object | None
     shape: constraints.ModelShape | None
-    draft_shape: constraints.ModelShape | None
+    model: predict.ModelSpec  # what the memory and speed predictions read
+    draft: predict.ModelSpec | None
 
 
 def parse_duration(text: str) -> float:
@@ -134,14 +145,15 @@ def plan(opts: RunOptions) -> Plan:
     space = space.narrowed(overrides)
     hardware = probe(opts.gpu)
     shape = constraints.model_shape(opts.model)
-    draft_shape = constraints.model_shape(opts.draft_model) if opts.draft_model else None
+    model = predict.load_model(opts.model)  # None: the bundled SmolLM2
+    draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model)
     workload = load_workload(opts.workload)
     slo = parse_slo(opts.slo) if opts.slo else None
     name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     directory = storage.study_dir(name, opts.studies_root)
     url = opts.storage or storage.default_storage(name, opts.studies_root)
-    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, draft_shape)
+    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, model, draft)
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -247,11 +259,14 @@ def run_study(p: Plan, console=None) -> Outcome:
                              workload=opts.workload, space_source=p.space.source)
     study.set_user_attr("engine", opts.engine)
     study.set_user_attr("objective", opts.objective)
-    study.set_user_attr("workload", opts.workload)
+    for name in RUN_OPTIONS:  # the load and limits validation re-runs the winners with
+        study.set_user_attr(name, getattr(opts, name))
     defaults = p.space.defaults()
     if not opts.resume:
         for config in p.space.seed_configs():
             study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
+    for config, prediction in predicted_configs(p, study):
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
     servers = Servers(p)
     view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
     measured = sum(t.user_attrs.get("measured", False) for t in study.get_trials(deepcopy=False))
@@ -297,6 +312,37 @@ def run_study(p: Plan, console=None) -> Outcome:
                    launches_saved, stale, interrupted or stop.requested)
 
 
+def predicted_configs(p: Plan, study: optuna.Study) -> list[tuple[dict, dict]]:
+    """The best configurations by predicted speed that the study has neither queued nor run, with their
+    predictions; the speed model is refitted to this machine's measured trials once there are enough.
+    GPU only: the roofline model has no CPU terms, so its CPU ranking is flat (the seeds do that job)."""
+    profile = getattr(p.hardware, "profile", None)
+    if profile is None or not profile.is_gpu:
+        return []
+    gpus = max(1, int(getattr(p.hardware, "gpu_count", 0) or 0))
+    trials = study.get_trials(deepcopy=False)
+    measured = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("metrics")]
+    calibration = None
+    if len(measured) >= CALIBRATE_AFTER:
+        calibration = predict.Calibration.fit(
+            [predict.trial_from_metrics(t.user_attrs["config"], t.user_attrs["metrics"], p.opts.concurrency or 1)
+             for t in measured], p.model, profile, gpus, engine=p.opts.engine, draft=p.draft)
+    known = {_effective_key(p, t.user_attrs.get("config") or t.user_attrs.get("seed_config") or {}) for t in trials}
+    out = []
+    for config, prediction in predict.rank_configs(
+            p.space, p.model, profile, gpus, top=4 * PREDICTED_SEEDS, concurrency=p.opts.concurrency or 1,
+            draft=p.draft, has_draft_model=bool(p.opts.draft_model), calibration=calibration):
+        key = _effective_key(p, config)
+        if key not in known and len(out) < PREDICTED_SEEDS:
+            known.add(key)
+            out.append((config, _json_ready(prediction.to_dict())))
+    return out
+
+
+def _effective_key(p: Plan, config: dict) -> str:
+    return json.dumps(p.adapter.effective(config), sort_keys=True, default=str)
+
+
 def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Servers, view: LiveView):
     """One trial from suggestion to tell; returns its frozen record."""
     opts, t_start = p.opts, time.monotonic()
@@ -317,12 +363,10 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     # 1. rules, hardware, memory: rejected before any launch, with the reason and numbers.
     violations = [f"rule: {v}" for v in p.adapter.check(config, p.hardware, has_draft_model=bool(opts.draft_model))]
     violations += [f"hardware: {v}" for v in constraints.hardware_violations(config, p.hardware, p.shape)]
-    fit = constraints.estimate_memory(config, p.hardware, p.shape, p.draft_shape)
-    if fit is not None:
-        attrs["memory"] = {"need_gb": round(fit.need_gb, 3), "have_gb": round(fit.have_gb, 3),
-                           **{k: round(v, 3) for k, v in fit.detail.items()}}
-        if not fit.fits:
-            violations.append(fit.reason())
+    fit = predict.estimate_memory(config, p.hardware, p.model, p.draft, engine=opts.engine)
+    attrs["memory"] = fit.record()
+    if not fit.fits:
+        violations.append(f"memory: {fit.reason}")
     if violations:
         kind = violations[0].split(":")[0]
         return finish(TrialState.PRUNED, constraint="feasible", status="rejected", failure_kind=kind,
@@ -330,7 +374,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
 
     # 2. dedupe: the engine would run exactly what an earlier trial ran.
     effective = p.adapter.effective(config)
-    key = json.dumps(effective, sort_keys=True, default=str)
+    key = _effective_key(p, config)
     attrs.update(effective=effective, effective_key=key)
     for earlier in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         if earlier.user_attrs.get("effective_key") == key and earlier.user_attrs.get("status") != "duplicate":
@@ -361,21 +405,31 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
         attrs["env"] = launch["env"]
 
     # 4. quick first measurement (also the warm-up), then the full benchmark.
+    timeout, reference = quick_timeout(study, defaults=p.space.defaults())
     try:
-        quick = measure(p, servers, opts.quick_requests or _quick_size(p))
+        quick, requests = measure(p, servers, opts.quick_requests or _quick_size(p), request_timeout=timeout)
         attrs["quick"] = quick
         attrs["timings"]["quick_s"] = quick.get("duration_s")
+        timed_out = (quick.get("errors_by_kind") or {}).get("timeout")
+        if timed_out:
+            servers.stop()  # it is still working on the abandoned requests
+            save_requests(p, trial.number, config, requests, "quick")
+            return finish(TrialState.PRUNED, constraint="feasible", status="pruned", failure_kind="timeout",
+                          failure=f"quick measurement: {timed_out} of {quick.get('sent')} requests took over "
+                                  f"{timeout:.0f} s ({QUICK_TIMEOUT_FACTOR:g}x the {reference})")
         first = objectives.values(quick, opts.objective)
         if first is not None and len(study.directions) == 1:
             trial.report(first[0], step=0)
             if trial.should_prune():
+                save_requests(p, trial.number, config, requests, "quick")
                 return finish(TrialState.PRUNED, status="pruned",
                               failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
         view.phase(trial.number, "benchmarking")
-        summary = measure(p, servers, opts.num_requests)
+        summary, requests = measure(p, servers, opts.num_requests)
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status="failed", failure_kind=e.kind, failure=str(e))
+    attrs["requests_file"] = str(save_requests(p, trial.number, config, requests, "full"))
     attrs["metrics"] = summary
     attrs["timings"]["bench_s"] = summary.get("duration_s")
     values = objectives.values(summary, opts.objective)
@@ -405,15 +459,30 @@ def _quick_size(p: Plan) -> int:
     return max(2, p.opts.concurrency or 1)
 
 
-def measure(p: Plan, servers: Servers, num_requests: int | None) -> dict:
-    """One benchmark run against the current server; raises BenchFailure when the server dies."""
+def quick_timeout(study: optuna.Study, defaults: dict) -> tuple[float | None, str]:
+    """(per-request timeout of a quick measurement, what it is based on): a multiple of the defaults
+    trial's quick wave, else of the first measured one's; None (the client's own) before any."""
+    quick = [t for t in study.get_trials(deepcopy=False) if (t.user_attrs.get("quick") or {}).get("duration_s")
+             and not (t.user_attrs["quick"].get("errors_by_kind") or {})]
+    if not quick:
+        return None, ""
+    ref = next((t for t in quick if t.user_attrs.get("config") == defaults), quick[0])
+    seconds = ref.user_attrs["quick"]["duration_s"]
+    which = "defaults" if ref.user_attrs.get("config") == defaults else "first measured"
+    return max(QUICK_TIMEOUT_FLOOR_S, QUICK_TIMEOUT_FACTOR * seconds), f"{which} trial {ref.number}'s {seconds:.1f} s"
+
+
+def measure(p: Plan, servers: Servers, num_requests: int | None, request_timeout: float | None = None):
+    """One benchmark run against the current server: (summary, per-request frame); raises
+    BenchFailure when the server dies."""
     from autotune.bench import run_benchmark
 
     t0 = time.monotonic()
     try:
         result = run_benchmark(servers.server.base_url, p.workload, concurrency=p.opts.concurrency,
                                num_requests=num_requests, max_tokens=p.opts.max_tokens, seed=p.opts.seed,
-                               server_pid=servers.server.proc.pid, progress=False)
+                               server_pid=servers.server.proc.pid, progress=False,
+                               **({"request_timeout": request_timeout} if request_timeout else {}))
     except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
         kind = "crash" if not servers.alive() else "bench"
         raise BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -421,7 +490,28 @@ def measure(p: Plan, servers: Servers, num_requests: int | None) -> dict:
         raise BenchFailure("crash", f"server exited during the benchmark (see {servers.server.log_path})")
     summary = _json_ready(dict(result.summary))
     summary["duration_s"] = round(time.monotonic() - t0, 3)
-    return summary
+    return summary, result.requests
+
+
+# The server's sampling defaults where a request leaves them out (OpenAI's elsewhere).
+SERVER_SAMPLING_DEFAULTS = {"embedded": {"temperature": 0.0, "top_p": 1.0}}
+
+
+def save_requests(p: Plan, number: int, config: dict, frame, phase: str) -> Path:
+    """studies/<name>/requests/trial-N.parquet: the benchmark's per-request rows (usage fields included:
+    accept_length, spec_*, prompt_entropy) with what was asked (prompt text, temperature, top_p) and
+    the trial's config, for the report and for fitting draft-length estimators."""
+    from autotune.bench.workloads import prompt_text
+
+    defaults = SERVER_SAMPLING_DEFAULTS.get(p.opts.engine, {"temperature": 1.0, "top_p": 1.0})
+    asked = [p.workload.requests[i] for i in frame["index"]]
+    frame = frame.assign(trial=number, phase=phase, config=json.dumps(config), prompt=[prompt_text(r) for r in asked],
+                         temperature=[float(r.get("temperature", defaults["temperature"])) for r in asked],
+                         top_p=[float(r.get("top_p", defaults["top_p"])) for r in asked])
+    path = p.directory / "requests" / f"trial-{number}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(path, index=False)
+    return path
 
 
 def _json_ready(obj):
