@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import optuna
-from optuna.trial import TrialState
 
 from autotune import PROJECT_ROOT, __version__
 
@@ -32,29 +31,26 @@ def open_study(name: str, storage: str, directions: list[str], sampler, pruner, 
     """Create the study, or continue it with `resume`; returns (study, trials marked failed as stale).
 
     A run killed mid-trial leaves that trial RUNNING forever; on resume it is marked FAIL with the
-    reason, so the sampler and the tables do not wait on it."""
+    reason, so the sampler and the tables do not wait on it. Only trials whose runner is gone: with a
+    shared storage other workers' live trials are left alone (autotune/study/parallel.py)."""
+    from autotune.study.parallel import fail_stale, open_storage
+
     if storage.startswith("sqlite:///"):
         Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
-        existing = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+        backend = open_storage(storage)  # a database URL, or a JournalStorage file path
+        existing = {s.study_name for s in optuna.get_all_study_summaries(backend, include_best_trial=False)}
     except Exception as e:  # any storage URL: SQLAlchemy reports a bad one in many ways
         raise StudyError(f"cannot open storage {storage}: {str(e).splitlines()[0]}") from None
     if name in existing and not resume:
         raise StudyError(f"study {name!r} already exists in {storage}; add --resume to continue it or pick another --study")
     if name not in existing and resume:
         raise StudyError(f"no study {name!r} in {storage} to resume")
-    study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler,
+    study = optuna.create_study(storage=backend, study_name=name, directions=directions, sampler=sampler,
                                 pruner=pruner, load_if_exists=resume)
     if [d.name.lower() for d in study.directions] != directions:
         raise StudyError(f"study {name!r} was created with other objectives; resume it with the same --objective")
-    stale = 0
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_user_attr(trial._trial_id, "status", "failed")
-        study._storage.set_trial_user_attr(trial._trial_id, "failure_kind", "stale")
-        study._storage.set_trial_user_attr(trial._trial_id, "failure", "left running by a process that was killed")
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        stale += 1
-    return study, stale
+    return study, fail_stale(study, resume=True)
 
 
 def write_trials(study: optuna.Study, path: Path) -> None:
