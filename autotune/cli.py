@@ -156,6 +156,7 @@ def run(
     num_requests: int = typer.Option(None, help="requests per trial benchmark"),
     max_tokens: int = typer.Option(None, help="cap on output tokens per request"),
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
+    parallel: str = typer.Option("1", help="trials side by side on disjoint GPUs (CPU: cores shared): auto | N"),
 ):
     """Tune an engine's launch configuration on this machine with an Optuna study."""
     from rich.console import Console
@@ -166,7 +167,8 @@ def run(
         opts = driver.options_from_cli(
             engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
-            concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed)
+            concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
+            parallel=parallel)
         the_plan = driver.plan(opts)
         outcome = driver.run_study(the_plan, console=Console())
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
@@ -184,6 +186,30 @@ def run(
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)
+
+
+# -- autotune worker: more hands for a study in a shared storage -----------------------------------------
+@app.command()
+def worker(
+    study: str = typer.Option(..., help="name of the study to join (created by autotune run --storage URL)"),
+    storage: str = typer.Option(..., help="its storage: postgresql://.., mysql://.., sqlite:///.. or a JournalStorage file"),
+    parallel: str = typer.Option("auto", help="trials side by side on this machine: auto | N"),
+    trials: int = typer.Option(None, help="stop once the study holds this many measured trials (default: the study's)"),
+    budget: str = typer.Option(None, help="this worker's wall-clock budget, e.g. 2h (default: what is left of the study's)"),
+    gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
+):
+    """Join a study from this or another machine and run its trials until its count or budget is met."""
+    from rich.console import Console
+
+    from autotune.study import worker as joiner
+
+    try:
+        outcome = joiner.join(study, storage, parallel=parallel, trials=trials, budget=budget, gpu=gpu, console=Console())
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
+        raise typer.Exit(2)
+    if outcome.interrupted:
+        raise typer.Exit(130)
 
 
 # -- autotune bench: load an OpenAI-compatible server, measure it ---------------------------------------

@@ -29,6 +29,7 @@ from autotune.space import constraints
 from autotune.space.space import Space, load_overrides, load_space, parse_set_options, parse_space
 from autotune.study import objectives, storage
 from autotune.study.live import LiveView
+from autotune.study.parallel import Fleet, Heartbeat, wait_for_twins
 
 DEFAULT_TRIALS = 25
 # The default embedded run ends in about 15 minutes: the study, then validation (FINISH) and the report.
@@ -73,6 +74,7 @@ class RunOptions:
     launch_timeout_s: float = 300.0
     seed: int = 0
     live: bool = True
+    parallel: int | str = 1  # trials side by side: a number or "auto" (autotune/study/parallel.py)
 
 
 @dataclass
@@ -148,6 +150,9 @@ def plan(opts: RunOptions) -> Plan:
     model = predict.load_model(opts.model)  # None: the bundled SmolLM2
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model)
+    from autotune.study.parallel import arrange
+
+    space, opts.parallel = arrange(space, hardware, opts.parallel)  # "auto" resolved; CPU threads shared
     workload = load_workload(opts.workload)
     slo = parse_slo(opts.slo) if opts.slo else None
     name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -160,8 +165,9 @@ def plan(opts: RunOptions) -> Plan:
 class Servers:
     """At most one engine server at a time; relaunched only when a launch-time parameter changes."""
 
-    def __init__(self, p: Plan):
+    def __init__(self, p: Plan, slot=None):
         self.p = p
+        self.slot = slot  # parallel trials: this runner's GPUs and port (autotune/study/packing.py)
         self.server = None  # the launcher of the running server
         self.launch_config: dict | None = None
         self.launches = 0
@@ -189,20 +195,23 @@ class Servers:
             except Exception:  # noqa: BLE001 - a server that will not take the change is relaunched with it
                 pass
         self.stop()
-        port = free_port()
+        port = self.slot.port() if self.slot else free_port()
         argv, env = adapter.command(config, model=self.p.opts.model, draft_model=self.p.opts.draft_model,
                                     host="127.0.0.1", port=port)
-        self.server = Launcher(argv, env=env, log_path=log, health_url=adapter.health_url(f"http://127.0.0.1:{port}"),
+        placement = self.slot.acquire(config) if self.slot else {}  # waits for free GPUs
+        self.server = Launcher(argv, env={**env, **placement}, log_path=log, health_url=adapter.health_url(f"http://127.0.0.1:{port}"),
                                base_url=f"http://127.0.0.1:{port}")
         self.launches += 1
         self.launch_config = None
         self.server.start(timeout=self.p.opts.launch_timeout_s)  # raises LaunchError(kind, message, log_tail)
         self.launch_config = self.launch_part(config)
-        return "launched", {"argv": argv, "env": env, "log": str(log)}
+        return "launched", {"argv": argv, "env": env, "log": str(log), **({"placement": placement} if placement else {})}
 
     def stop(self):
         if self.server is not None:
             self.server.stop()
+        if self.slot:
+            self.slot.release()
         self.server, self.launch_config = None, None
 
 
@@ -261,13 +270,14 @@ def run_study(p: Plan, console=None) -> Outcome:
     study.set_user_attr("objective", opts.objective)
     for name in RUN_OPTIONS:  # the load and limits validation re-runs the winners with
         study.set_user_attr(name, getattr(opts, name))
+    study.set_user_attr("run_options", _json_ready({**opts.__dict__, "parallel": 1}))  # what `autotune worker` runs
     defaults = p.space.defaults()
     if not opts.resume:
         for config in p.space.seed_configs():
             study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
     for config, prediction in predicted_configs(p, study):
         study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
-    servers = Servers(p)
+    servers = Servers(p) if opts.parallel == 1 else Fleet(p)
     view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
     measured = sum(t.user_attrs.get("measured", False) for t in study.get_trials(deepcopy=False))
     start, idle, interrupted, trial = time.monotonic(), 0, False, None
@@ -275,7 +285,9 @@ def run_study(p: Plan, console=None) -> Outcome:
     with view, Stop(view) as stop:
         view.show_history(study)
         try:
-            while measured < opts.trials and not stop.requested and idle < MAX_IDLE_ASKS:
+            if opts.parallel > 1:
+                servers.run(study, view, stop)
+            while opts.parallel == 1 and measured < opts.trials and not stop.requested and idle < MAX_IDLE_ASKS:
                 if opts.budget_s and durations:
                     left = opts.budget_s - (time.monotonic() - start)
                     if left < sorted(durations)[len(durations) // 2]:  # the next trial would overrun
@@ -283,7 +295,8 @@ def run_study(p: Plan, console=None) -> Outcome:
                         break
                 t0 = time.monotonic()
                 trial = study.ask()
-                frozen = run_trial(study, trial, p, servers, view)
+                with Heartbeat(study, trial):  # other workers sharing the storage see this trial is alive
+                    frozen = run_trial(study, trial, p, servers, view)
                 if frozen.user_attrs.get("measured"):
                     measured, idle = measured + 1, 0
                     durations.append(time.monotonic() - t0)
@@ -376,6 +389,8 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     effective = p.adapter.effective(config)
     key = _effective_key(p, config)
     attrs.update(effective=effective, effective_key=key)
+    trial.set_user_attr("effective_key", key)  # seen by runners sharing the study: a twin waits for this result
+    wait_for_twins(study, trial, key)
     for earlier in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         if earlier.user_attrs.get("effective_key") == key and earlier.user_attrs.get("status") != "duplicate":
             copied = {k: v for k, v in earlier.user_attrs.items() if k not in ("config", "seed_config", "measured", "timings")}
@@ -403,6 +418,8 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
                  timings={"launch_s": round(time.monotonic() - t0, 3)})
     if "env" in launch:
         attrs["env"] = launch["env"]
+    if "placement" in launch:
+        attrs["placement"] = launch["placement"]
 
     # 4. quick first measurement (also the warm-up), then the full benchmark.
     timeout, reference = quick_timeout(study, defaults=p.space.defaults())
