@@ -5,12 +5,14 @@
 
 Measure: every cell of GRID below is benchmarked against a real `autotune serve` (one launch per
 launch-time combination, draft_length changed live), on the `code` workload, and appended to
-benchmarks/data/grid_embedded_code.csv (re-running resumes where it stopped).
+benchmarks/data/grid_embedded_code.csv (re-running resumes where it stopped). threads=2 is what
+torch picks by itself on the 2-core machine the table was recorded on (the engine default, None).
 
 Replay: each strategy proposes configurations; the recorded output tok/s is its measurement. Count
 the distinct cells measured until one reaches 97% of the grid's best; median over 20 seeds.
 - tuner: the study's own sampler (autotune.study.objectives.make_sampler: TPE as configured), seeds
   from search_spaces/embedded.yaml first, duplicates free (the driver reuses recorded results);
+  also shown without the seeds (TPE alone), to separate what the seeds give from what TPE finds;
 - random: cells in a random order, without repeats;
 - one-at-a-time (SGLang auto_benchmark's strategy): from the engine defaults, sweep one parameter
   over its values with the others fixed, keep the best, go to the next parameter; the parameter
@@ -34,19 +36,24 @@ from autotune import PROJECT_ROOT
 from autotune.space import load_space
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
-GRID = {"drafter": ["none", "ngram", "early_exit"], "draft_length": [2, 4, 8],
-        "verify_slots": [1, 2, 4, 8], "prefill_ubatch": [64, 256]}
-FIXED = {"draft_policy": "fixed", "ngram_min": 1, "ngram_max": 4, "early_exit_layers": 8, "dtype": "float32",
-         "quantization": "none", "compile": "none", "cuda_graph_batch_sizes": [], "threads": None}
+GRID = {"drafter": ["none", "ngram", "early_exit"], "draft_length": [2, 4, 8], "dtype": ["float32", "bfloat16"],
+        "threads": [1, 2], "verify_slots": [2, 4]}
+LAUNCH = ("drafter", "dtype", "threads", "verify_slots")  # one server per combination; draft_length is live
+DEFAULTS = {"drafter": "none", "draft_length": None, "dtype": "float32", "threads": 2, "verify_slots": 4}
+FIXED = {"draft_policy": "fixed", "ngram_min": 1, "ngram_max": 4, "early_exit_layers": 8, "prefill_ubatch": 256,
+         "quantization": "none", "compile": "none", "cuda_graph_batch_sizes": []}
 LOAD = dict(workload="code", concurrency=4, num_requests=4, max_tokens=32, warmup=1)
+LOAD_TEXT = "(" + ", ".join(LAUNCH) + ")"
 SEEDS, TARGET = 20, 0.97
 
 
 def cells() -> list[dict]:
+    """Every grid cell, grouped by launch configuration (the order they are measured in)."""
     out = []
-    for drafter, slots, ubatch in itertools.product(GRID["drafter"], GRID["verify_slots"], GRID["prefill_ubatch"]):
-        for k in (GRID["draft_length"] if drafter != "none" else [None]):
-            out.append({"drafter": drafter, "draft_length": k, "verify_slots": slots, "prefill_ubatch": ubatch})
+    for launch in itertools.product(*(GRID[name] for name in LAUNCH)):
+        cell = dict(zip(LAUNCH, launch))
+        for k in (GRID["draft_length"] if cell["drafter"] != "none" else [None]):
+            out.append({**cell, "draft_length": k})
     return out
 
 
@@ -70,20 +77,20 @@ def measure():
         writer = csv.DictWriter(f, fieldnames=[*GRID, "output_tok_s", "e2e_ms_p95", "accept_length", "launch_s",
                                                "bench_s", "error"])
         if new_file:
-            f.write(f"# embedded engine, bundled SmolLM2-135M, workload {LOAD['workload']}, concurrency "
+            f.write(f"# `python3 benchmarks/bench_sample_efficiency.py --measure`, started "
+                    f"{time.strftime('%Y-%m-%d %H:%M %Z')} on a shared 2-core CPU machine (other work running): "
+                    f"embedded engine, bundled SmolLM2-135M, workload {LOAD['workload']}, concurrency "
                     f"{LOAD['concurrency']}, {LOAD['num_requests']} requests x {LOAD['max_tokens']} tokens after "
-                    f"{LOAD['warmup']} warm-up, other settings {FIXED}; measured {time.strftime('%Y-%m-%d')} on a "
-                    "shared 2-core CPU machine\n")
+                    f"{LOAD['warmup']} warm-up, one launch per {LOAD_TEXT}, other settings {FIXED}\n")
             writer.writeheader()
-        for launch, group in itertools.groupby(todo, key=lambda c: (c["drafter"], c["verify_slots"], c["prefill_ubatch"])):
+        for launch, group in itertools.groupby(todo, key=lambda c: tuple(c[name] for name in LAUNCH)):
             group = list(group)
-            config = {**FIXED, "drafter": launch[0], "verify_slots": launch[1], "prefill_ubatch": launch[2],
+            config = {**FIXED, **dict(zip(LAUNCH, launch)),
                       **({"draft_length": group[0]["draft_length"]} if launch[0] != "none" else {})}
-            config = {k: v for k, v in config.items() if v is not None}
             port = free_port()
             argv, env = adapter.command(config, model=None, draft_model=None, host="127.0.0.1", port=port)
             server = Launcher(argv, env=env, log_path=Path("/tmp") / f"grid-{'-'.join(map(str, launch))}.log",
-                              health_url=f"http://127.0.0.1:{port}/health")
+                              health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
             t0 = time.monotonic()
             try:
                 server.start(timeout=300)
@@ -117,7 +124,7 @@ def _read() -> list[dict]:
 
 def _typed(row: dict) -> dict:
     return {"drafter": row["drafter"], "draft_length": int(row["draft_length"]) if row["draft_length"] else None,
-            "verify_slots": int(row["verify_slots"]), "prefill_ubatch": int(row["prefill_ubatch"]),
+            "dtype": row["dtype"], "threads": int(row["threads"]), "verify_slots": int(row["verify_slots"]),
             "value": float(row["output_tok_s"]) if row.get("output_tok_s") else 0.0}
 
 
@@ -128,16 +135,17 @@ def grid_space():
     params = dict(space.params)
     for name, value in FIXED.items():
         params[name] = replace(params[name], fixed=value)
+    params["threads"] = replace(params["threads"], default=DEFAULTS["threads"])  # torch's own choice here
     return replace(space, params=params)
 
 
-def run_tuner(table: dict, goal: float, seed: int, budget: int) -> int:
+def run_tuner(table: dict, goal: float, seed: int, budget: int, seeded: bool = True) -> int:
     from autotune.study.objectives import make_sampler
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = grid_space()
     study = optuna.create_study(direction="maximize", sampler=make_sampler("throughput", seed=seed))
-    for config in space.seed_configs():
+    for config in space.seed_configs() if seeded else []:
         study.enqueue_trial(space.trial_params(config), user_attrs={"seed_config": config})
     seen: dict[tuple, float] = {}
     for _ in range(budget * 20):
@@ -162,8 +170,7 @@ def run_random(table: dict, goal: float, seed: int) -> int:
 def run_one_at_a_time(table: dict, goal: float, seed: int) -> int:
     names = list(GRID)
     random.Random(seed).shuffle(names)
-    current = {"drafter": "none", "draft_length": 4 if 4 in GRID["draft_length"] else GRID["draft_length"][0],
-               "verify_slots": 4, "prefill_ubatch": 256}
+    current = {**DEFAULTS, "draft_length": 4}  # draft_length counts once a drafter is on
     seen: dict[tuple, float] = {}
 
     def measure_cell(cell):
@@ -197,10 +204,11 @@ def replay():
     n = len(table)
     results = {
         "tuner (TPE)": [run_tuner(table, goal, s, n) for s in range(SEEDS)],
+        "TPE, no seeds": [run_tuner(table, goal, s, n, seeded=False) for s in range(SEEDS)],
         "random": [run_random(table, goal, s) for s in range(SEEDS)],
         "one-at-a-time": [run_one_at_a_time(table, goal, s) for s in range(SEEDS)],
     }
-    default = table[key({"drafter": "none", "draft_length": None, "verify_slots": 4, "prefill_ubatch": 256})]
+    default = table[key(DEFAULTS)]
     print(f"grid: {n} cells, best {table[best_key]:.2f} tok/s at {dict(zip(GRID, best_key))}; "
           f"97% = {goal:.2f}; engine defaults {default:.2f} tok/s")
     print(f"{'strategy':<16}{'median trials':>14}{'% of grid':>10}  (over {SEEDS} seeds; min..max)")

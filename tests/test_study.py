@@ -8,6 +8,7 @@ import sys
 import time
 
 import optuna
+import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
@@ -19,6 +20,31 @@ SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, m
 # One launch configuration (only the runtime knob draft_length and the crash switch vary).
 ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
               "dtype=float32", "quantization=none", "compile=none", "threads=1"]
+
+
+# A stand-in for a hopelessly slow engine: healthy, lists a model, never answers a completion in time.
+STALLING_SERVER = """
+import http.server, json, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "slow"}]}).encode() if self.path == "/v1/models" else b"ok"
+        self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+        self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        time.sleep(60)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class SlowOnThreeSlots(EmbeddedAdapter):
+    """The real engine, except that verify_slots=3 starts a server that never finishes a request:
+    real configurations are not slow by a reliable factor on a shared machine."""
+
+    def command(self, config, *, port, **kw):
+        if config.get("verify_slots") == 3:
+            return [sys.executable, "-c", STALLING_SERVER, str(port)], {}
+        return super().command(config, port=port, **kw)
 
 
 class CrashOnThreeSlots(EmbeddedAdapter):
@@ -68,6 +94,15 @@ def test_small_study_records_reuses_dedupes_and_resumes(studies):
                          == d.user_attrs["effective_key"] for d in dupes)
     assert outcome.launches == 1
     assert (studies / "small" / "trials.parquet").exists()
+    # Each measured trial's per-request table, with what an acceptance estimator fits on.
+    requests = pd.read_parquet(ok[0].user_attrs["requests_file"])
+    assert requests["accept_length"].gt(0).all() and requests["spec_draft_tokens"].gt(0).all()
+    assert {"spec_accepted_tokens", "spec_verify_steps", "prompt_entropy", "prompt", "temperature", "top_p"} <= set(requests)
+    assert (requests["trial"] == ok[0].number).all() and requests["prompt"].str.len().gt(0).all()
+    # The run options validation re-runs the winners with.
+    recorded = optuna.load_study(study_name="small", storage=outcome.storage).user_attrs
+    assert {k: recorded[k] for k in ("concurrency", "num_requests", "max_tokens", "seed", "workload", "slo")} == \
+        {"concurrency": 2, "num_requests": 2, "max_tokens": 8, "seed": 0, "workload": "code", "slo": None}
     assert json.loads((studies / "small" / "provenance.json").read_text())["model_sha256"]
 
     # A killed run leaves a RUNNING trial; --resume marks it failed and continues the study.
@@ -96,15 +131,50 @@ def test_engine_crash_at_startup_is_recorded_and_study_goes_on(studies):
 
 
 @pytest.mark.slow
-def test_hardware_violation_rejected_before_launch(studies):
+def test_hardware_and_memory_violations_rejected_before_launch(studies):
     outcome = driver.run_study(driver.plan(driver.RunOptions(
-        trials=1, study="cuda-on-cpu", sets=["cuda_graph_batch_sizes=[1,2]"], **SMALL)))
+        trials=1, study="cuda-on-cpu", sets=["cuda_graph_batch_sizes=[1,2]", "verify_slots=1000"], **SMALL)))
     trials = trials_of(outcome)
     assert outcome.launches == 0 and outcome.best is None
     assert trials and all(t.user_attrs["status"] == "rejected" and t.state == TrialState.PRUNED for t in trials)
     assert "CUDA" in trials[0].user_attrs["failure"] and trials[0].user_attrs["failure_kind"] == "hardware"
-    assert trials[0].user_attrs["memory"]["need_gb"] > 0  # the memory estimate is recorded with it
+    # 1000 slots x 2048 tokens of KV cache cannot fit this machine's RAM: the prediction says so, with numbers.
+    memory = trials[0].user_attrs["memory"]
+    assert not memory["fits"] and memory["weights_gb"] > 0 and memory["kv_gb_per_1k_tokens"] > 0
+    assert "memory: does not fit" in trials[0].user_attrs["failure"] and "GB" in memory["reason"]
     assert not list((studies / "cuda-on-cpu" / "logs").iterdir())
+
+
+@pytest.mark.slow
+def test_hopelessly_slow_config_is_pruned_by_the_quick_timeout(studies, monkeypatch):
+    monkeypatch.setattr(driver, "QUICK_TIMEOUT_FLOOR_S", 1.0)  # the tiny defaults wave sets the limit alone
+    p = driver.plan(driver.RunOptions(trials=2, study="slow", sets=ONE_SERVER + ["draft_length=3", "verify_slots=4,3"],
+                                      **SMALL))
+    p.adapter = SlowOnThreeSlots()
+    trials = trials_of(driver.run_study(p))
+    assert trials[0].user_attrs["config"]["verify_slots"] == 4 and trials[0].user_attrs["status"] == "ok"  # the defaults
+    slow = next(t for t in trials if t.user_attrs.get("config", {}).get("verify_slots") == 3)
+    limit = driver.QUICK_TIMEOUT_FACTOR * trials[0].user_attrs["quick"]["duration_s"]
+    assert slow.state == TrialState.PRUNED and slow.user_attrs["failure_kind"] == "timeout"
+    assert "defaults trial 0" in slow.user_attrs["failure"] and slow.constraints["feasible"] > 0
+    assert slow.user_attrs["timings"]["quick_s"] < limit + 5  # not the client's 2 minutes
+    assert (pd.read_parquet(studies / "slow" / "requests" / f"trial-{slow.number}.parquet")["error_kind"] == "timeout").all()
+
+
+def test_predicted_configurations_are_new_and_fit(studies):
+    p = driver.plan(driver.RunOptions(gpu="h100-sxm5", study="predicted", **SMALL))
+    study = optuna.create_study(direction="maximize")
+    first = driver.predicted_configs(p, study)
+    assert len(first) == driver.PREDICTED_SEEDS
+    for config, prediction in first:
+        assert all(p.space.params[k].contains(v) for k, v in config.items() if v is not None)
+        assert prediction["memory"]["fits"] and prediction["speed"]["single_tok_s"] > 0
+    # Once the best is queued, it is not proposed again.
+    study.enqueue_trial(p.space.trial_params(first[0][0]), user_attrs={"seed_config": first[0][0]})
+    again = [driver._effective_key(p, c) for c, _ in driver.predicted_configs(p, study)]
+    assert driver._effective_key(p, first[0][0]) not in again and len(again) == driver.PREDICTED_SEEDS
+    # No GPU: the roofline's CPU ranking is flat, nothing is proposed.
+    assert driver.predicted_configs(driver.plan(driver.RunOptions(study="cpu", **SMALL)), study) == []
 
 
 def cli(*args, env_dir, **kw):
