@@ -32,15 +32,17 @@ class ModelArgs:
             self.head_dim = self.dim // self.n_heads
 
 
-class KVCache(nn.Module):
+class KVCache:
     """Keys and values of every layer for `slots` sequences of up to `max_len` tokens."""
 
     def __init__(self, args: ModelArgs, slots: int, max_len: int, dtype: torch.dtype, device=None):
-        super().__init__()
-        shape = (args.n_layers, slots, args.n_kv_heads, max_len, args.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (slots, args.n_kv_heads, max_len, args.head_dim)
+        # One tensor per layer rather than views of one: torch.compile then writes them in place
+        # (writes into views of a shared base made inductor copy whole caches every step).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.max_len = max_len
+        self.device = self.k[0].device
 
     def update(self, layer: int, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int):
         """Write k, v ([B, T, Hkv, D]) at input_pos ([B, T]) and return the first kv_len positions.

@@ -21,7 +21,7 @@ class ModelRunner:
         if compile != "none":
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
             self.forward = torch.compile(model.forward, backend=compile, dynamic=None)
-        on_cuda = cache.k.device.type == "cuda"
+        on_cuda = cache.device.type == "cuda"
         self.graph_sizes = sorted(graph_batch_sizes) if on_cuda and scratch_slot is not None else []
         self.scratch_slot = scratch_slot
         self.graphs: dict[tuple, tuple] = {}
@@ -50,7 +50,7 @@ class ModelRunner:
         return out[:batch]
 
     def _capture(self, size: int, width: int, num_layers: int | None):
-        device = self.cache.k.device
+        device = self.cache.device
         ids = torch.zeros((size, width), dtype=torch.long, device=device)
         pos = torch.zeros((size, width), dtype=torch.long, device=device)
         slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=device)
