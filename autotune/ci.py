@@ -99,11 +99,15 @@ def compare(recorded: dict, current: dict) -> tuple[list[dict], list[str]]:
 
 # -- the stored command ----------------------------------------------------------------------------
 def stored_command(best_dir: Path) -> tuple[list[str], dict[str, str], str]:
-    """(argv, env, source) of the exported configuration: launch.json, else parsed from launch.sh."""
+    """(argv, env, source) of the exported configuration: launch.json, else parsed from launch.sh.
+    A Python module is run by this Python (CI images move the interpreter; launch.sh has $PYTHON for it)."""
     launch_json, launch_sh = best_dir / "launch.json", best_dir / "launch.sh"
     if launch_json.exists():
         doc = json.loads(launch_json.read_text())
-        return [str(a) for a in doc["argv"]], {k: str(v) for k, v in (doc.get("env") or {}).items()}, str(launch_json)
+        argv = [str(a) for a in doc["argv"]]
+        if len(argv) > 2 and argv[1] == "-m":
+            argv[0] = sys.executable
+        return argv, {k: str(v) for k, v in (doc.get("env") or {}).items()}, str(launch_json)
     if not launch_sh.exists():
         raise ValueError(f"nothing exported in {best_dir} (no launch.json or launch.sh): run `autotune export` first")
     env, lines, body = {}, launch_sh.read_text().splitlines(), None
@@ -122,10 +126,8 @@ def stored_command(best_dir: Path) -> tuple[list[str], dict[str, str], str]:
 
 
 def at_address(argv: list[str], port: int) -> list[str]:
-    """The command bound to 127.0.0.1:port, run by this Python where it runs a Python module."""
+    """The command bound to 127.0.0.1:port."""
     out = list(argv)
-    if len(out) > 2 and out[1] == "-m":  # exported with another interpreter path (CI images move it)
-        out[0] = sys.executable
     for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
         if flag in out[:-1]:
             out[out.index(flag) + 1] = value
@@ -264,23 +266,60 @@ def warm_start_source(ctx):
     return ctx
 
 
+def recorded_space(source) -> dict:
+    """The narrowing a study ran under (its --set/--space), read off its trials: what Optuna was asked
+    (distributions) keeps its choices or range; what was never asked yet always had one value was pinned."""
+    import optuna
+
+    from autotune.space.space import SpaceError, load_space
+
+    space = load_space(source.engine)
+    trials = source.study.get_trials(deepcopy=False)
+    asked = {name: d for t in trials for name, d in t.distributions.items()}
+    out = {}
+    for name, param in space.params.items():
+        d = asked.get(name)
+        if isinstance(d, optuna.distributions.CategoricalDistribution):
+            spec = [json.loads(c) for c in d.choices] if param.type == "batch_sizes" else list(d.choices)
+        elif d is not None:
+            spec = {"low": d.low, "high": d.high}
+        else:
+            seen = {json.dumps((t.user_attrs.get("config") or {}).get(name)) for t in trials
+                    if name in (t.user_attrs.get("config") or {})}
+            if len(seen) != 1 or seen == {"null"}:
+                continue
+            spec = json.loads(seen.pop())
+        try:
+            space.narrowed({name: spec})
+        except SpaceError:  # not expressible as a narrowing: the re-tune searches that parameter's full range
+            continue
+        out[name] = spec
+    return out
+
+
 def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WARM_START_TOP, console=None) -> dict:
     """A new study in the same storage, warm-started from the last one; validated. Returns
     {study, directory, enqueued, remembered_failures, validation, outcome}."""
     import optuna
+    import yaml
 
     from autotune import validate
     from autotune.study import driver, objectives, storage
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     source = warm_start_source(ctx)
     s = ref["settings"]
     name = f"{ctx.name}-ci-{time.strftime('%Y%m%d-%H%M%S')}"
+    narrowing = ctx.directory / "ci" / f"{name}.space.yaml"  # the re-tune searches the space the study searched
+    narrowing.parent.mkdir(parents=True, exist_ok=True)
+    narrowing.write_text(f"# narrowing of study {source.name}, read off its trials\n"
+                         + yaml.safe_dump(recorded_space(source), sort_keys=False))
     opts = driver.RunOptions(engine=ctx.engine, model=ctx.model, draft_model=ctx.draft_model,
                              workload=s.get("workload") or ctx.workload, slo=s.get("slo"), objective=ctx.objective,
                              trials=trials, budget_s=budget_s, study=name, storage=ctx.storage, resume=True,
                              concurrency=s.get("concurrency"), num_requests=s.get("num_requests"),
                              max_tokens=s.get("max_tokens"), seed=s.get("seed", 0),
-                             studies_root=str(ctx.directory / "ci"), live=console is not None)
+                             space=str(narrowing), studies_root=str(ctx.directory / "ci"), live=console is not None)
     plan = driver.plan(opts)
     study, _ = storage.open_study(name, plan.storage, objectives.directions(opts.objective),
                                   objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
@@ -300,6 +339,8 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                 user_attrs=attrs, constraints=t.constraints or {"feasible": 1.0}))
             remembered += 1
     outcome = driver.run_study(plan, console=console)
+    if outcome.interrupted:  # Ctrl-C: the re-tune's trials are kept; nothing is validated or exported
+        raise KeyboardInterrupt
     out = {"study": name, "directory": str(plan.directory), "from": source.name, "enqueued": len(configs),
            "remembered_failures": remembered, "measured": sum(bool(t.user_attrs.get("measured"))
                                                                for t in study.get_trials(deepcopy=False)),
@@ -432,9 +473,9 @@ def write_summary(ctx, result: dict) -> Path:
         else:
             lines.append("Flags changed: none (the previous configuration is still the best; its numbers are updated).")
         lines += ["", "Files updated: " + ", ".join(f"`{Path(p).relative_to(ctx.directory)}`" for p in result["files"])]
-    lines += ["", f"Re-tune: study `{tuned['study']}` warm-started from `{tuned['from']}` ({tuned['enqueued']} previous "
-                  f"top configurations enqueued, {tuned['remembered_failures']} failed configurations remembered), "
-                  f"{tuned['measured']} trials measured."]
+    lines += ["", (f"Re-tune: study `{tuned['study']}` warm-started from `{tuned['from']}` ({tuned['enqueued']} "
+                   f"previous top configurations enqueued, {tuned['remembered_failures']} failed configurations "
+                   f"remembered), {tuned['measured']} trials measured.")]
     if tuned.get("problem"):
         lines.append(f"Problem: {tuned['problem']}.")
     path = ctx.directory / "ci-summary.md"
@@ -455,9 +496,11 @@ def describe(result: dict) -> list[str]:
     re_ = result["recheck"]
     for note in re_.get("translated") or []:
         out.append(f"translated: {note}")
-    out.append(f"re-check: {re_['verdict']}" + (f": {re_['reason']}" if re_.get("reason") else "")
-               + (f" ({result['recorded']['metric']} {re_['median']:.4g}, recorded {result['recorded']['median']:.4g})"
-                  if re_.get("median") is not None and result["recorded"]["median"] else ""))
+    ref = result["recorded"]
+    if re_.get("reason"):
+        out.append(f"re-check: {re_['verdict']}: {re_['reason']}")
+    else:
+        out.append(f"re-check: {re_['verdict']}: {ref['metric']} {re_['median']:.4g}, recorded {ref['median']:.4g}")
     if result["status"] == "within_tolerance":
         out.append("within tolerance: provenance.json refreshed")
     elif result.get("new"):
