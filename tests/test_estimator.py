@@ -96,6 +96,7 @@ def test_engine_applies_the_estimator_per_request(fitted, tmp_path, start_embedd
     assert {"spec_rejections", "spec_draft_seconds", "spec_verify_seconds"} <= set(loop_usage)
 
 
+@pytest.mark.slow
 def test_study_rows_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no request data"):
         fit(pd.DataFrame())
