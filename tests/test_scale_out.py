@@ -1,0 +1,314 @@
+"""Scale out: GPU packing on synthetic 8-GPU machines, CPU thread sharing, and one study shared by
+worker processes on a real PostgreSQL server (and a JournalStorage file), on the embedded engine."""
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from typer.testing import CliRunner
+
+from autotune.cli import app
+from autotune.hardware import CpuInfo, Hardware, classify_from_fixture
+from autotune.space.space import load_space
+from autotune.study import driver, packing, parallel, storage
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hardware")
+
+
+def eight_gpus(topology=None) -> Hardware:
+    hw = classify_from_fixture(os.path.join(FIXTURES, "a100-sxm4-80gb-8gpu"))  # NVSwitch: one NVLink domain
+    if topology is not None:
+        hw.topology = topology
+    return hw
+
+
+def two_islands() -> dict:
+    """GPUs 0-3 and 4-7 joined by NVLink within each group, PCIe/SMP between the groups."""
+    links = [["X" if i == j else "NV4" if i // 4 == j // 4 else "SYS" for j in range(8)] for i in range(8)]
+    return {"source": "test", "devices": [f"GPU{i}" for i in range(8)], "links": links}
+
+
+def cpu_machine(cores: int) -> Hardware:
+    return Hardware(gpus=[], topology=None, driver_version=None, cuda_driver_version=None, nvml_version=None,
+                    versions={}, cpu=CpuInfo(cores=cores), profile=None, source="test")
+
+
+# -- packing ---------------------------------------------------------------------------------------------
+def test_mixed_tp_sizes_on_8_gpus_never_overlap_or_oversubscribe():
+    pool = packing.GpuPool.for_hardware(eight_gpus())
+    assert pool.domains == [list(range(8))]
+    busy: set[int] = set()
+    lock, seen, errors = threading.Lock(), [], []
+
+    def trial_runner(sizes):
+        for n in sizes:
+            gpus = pool.acquire(n)
+            with lock:
+                if len(gpus) != n or busy & set(gpus) or len(busy) + n > 8:
+                    errors.append((n, gpus, set(busy)))
+                busy.update(gpus)
+                seen.append(gpus)
+            time.sleep(0.002)
+            with lock:
+                busy.difference_update(gpus)
+            pool.release(gpus)
+
+    runners = [threading.Thread(target=trial_runner, args=([1, 2, 4, 8, 2, 1, 4, 1] * 5,)) for _ in range(6)]
+    for t in runners:
+        t.start()
+    for t in runners:
+        t.join(30)
+    assert not errors and len(seen) == 6 * 40
+    assert all(tuple(range(8)) == g for g in seen if len(g) == 8)
+    assert pool.free == set(range(8)) and not pool.waiting()
+
+
+def test_tp8_waits_for_all_and_later_requests_queue_behind_it():
+    pool = packing.GpuPool.for_hardware(eight_gpus())
+    one = pool.acquire(1)
+    got = {}
+    big = threading.Thread(target=lambda: got.setdefault("tp8", pool.acquire(8)))
+    big.start()
+    time.sleep(0.3)
+    small = threading.Thread(target=lambda: got.setdefault("tp1", pool.acquire(1)))
+    small.start()
+    time.sleep(0.3)
+    assert got == {} and pool.waiting()  # 7 GPUs free, yet the TP=1 request does not jump the TP=8 one
+    pool.release(one)
+    big.join(5)
+    assert got["tp8"] == tuple(range(8)) and "tp1" not in got
+    pool.release(got["tp8"])
+    small.join(5)
+    assert got["tp1"] == (0,)
+    with pytest.raises(ValueError, match="needs 16 GPUs"):
+        pool.acquire(16)
+
+
+def test_nvlink_domains_are_preferred_and_never_split():
+    hw = eight_gpus(two_islands())
+    pool = packing.GpuPool.for_hardware(hw)
+    assert pool.domains == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    a = pool.acquire(1)
+    b = pool.acquire(4)
+    c = pool.acquire(2)
+    assert (a, b, c) == ((0,), (4, 5, 6, 7), (2, 3))  # TP=4 in the untouched island; TP=2 an aligned pair
+    assert pool.place(2) is None  # GPUs 1 and nothing else free in island A: a TP=2 waits, no PCIe pair
+    pool.release(b)
+    assert pool.place(2) == (4, 5)
+    pool.release(a)
+    pool.release(c)
+    assert pool.place(8) == tuple(range(8))  # larger than any island: whole islands
+    # No NVLink at all (PCIe-only topology) or no topology: all GPUs alike, one domain.
+    pcie = {"links": [["X" if i == j else "PIX" for j in range(4)] for i in range(4)]}
+    assert packing.nvlink_domains([0, 1, 2, 3], pcie) == [[0, 1, 2, 3]]
+    assert packing.nvlink_domains([0, 1], None) == [[0, 1]]
+    bridge = classify_from_fixture(os.path.join(FIXTURES, "rtx-a6000-2gpu-nvlink-bridge"))
+    assert packing.nvlink_domains([0, 1], bridge.topology) == [[0, 1]]
+
+
+def test_cuda_visible_devices_per_trial_and_ports():
+    hw = eight_gpus()
+    assert packing.usable_gpus(hw, {"CUDA_VISIBLE_DEVICES": "1,3,5,7"}) == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="indices"):
+        packing.usable_gpus(hw, {"CUDA_VISIBLE_DEVICES": "GPU-4f1c"})
+    pool, ports = packing.GpuPool(list(range(8))), packing.PortBook()
+    first, second = packing.Slot(pool, ports), packing.Slot(pool, ports)
+    assert first.acquire({"tp_size": 4}) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert second.acquire({"tensor_parallel_size": 2}) == {"CUDA_VISIBLE_DEVICES": "4,5",
+                                                           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert second.acquire({}) == {"CUDA_VISIBLE_DEVICES": "4", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # relaunch: re-placed
+    first.release()
+    assert pool.free == {0, 1, 2, 3, 5, 6, 7}
+    assert packing.Slot(packing.GpuPool([]), ports).acquire({"tp_size": 2}) == {}  # CPU machine: no GPU environment
+    held = [ports.reserve() for _ in range(40)]
+    assert len(set(held)) == 40
+    ports.release(held[0])
+    assert held[0] not in ports.taken
+
+
+def test_parallel_count_and_cpu_thread_share():
+    sglang = load_space("sglang")
+    assert parallel.arrange(sglang, eight_gpus(), "auto")[1] == 8  # TP=1 fits eight at once
+    assert parallel.arrange(sglang.narrowed({"tp_size": 4}), eight_gpus(), "auto")[1] == 2
+    assert parallel.arrange(sglang, eight_gpus(), "32")[1] == 8  # never more runners than GPUs
+    embedded = load_space("embedded")
+    space, slots = parallel.arrange(embedded, cpu_machine(8), 4)
+    assert slots == 4 and space.params["threads"].fixed == 2  # each engine gets its share of the cores
+    assert parallel.arrange(embedded, cpu_machine(8), "auto")[1] == 1  # a CPU trial measures the whole machine
+    assert parallel.arrange(embedded.narrowed({"threads": 2}), cpu_machine(8), 4)[0].params["threads"].fixed == 2
+    with pytest.raises(ValueError, match="need 8 CPU cores"):
+        parallel.arrange(embedded.narrowed({"threads": 4}), cpu_machine(6), 2)
+    with pytest.raises(ValueError, match="at least 3 CPU cores"):
+        parallel.arrange(embedded, cpu_machine(2), 3)
+    with pytest.raises(ValueError, match="--parallel must be"):
+        parallel.arrange(embedded, cpu_machine(2), "many")
+
+
+# -- a real PostgreSQL server ------------------------------------------------------------------------------
+def _pg_bin(tool: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}")) or [shutil.which(tool)]
+    if not found[-1]:
+        pytest.fail(f"PostgreSQL's {tool} is not installed: `bash setup.sh dev` (or apt-get install postgresql)")
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL cluster on a free port; yields the URL of a fresh database."""
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # postgres refuses to run as root
+    home = tempfile.mkdtemp(prefix="autotune-pg-")
+    if as_user:
+        shutil.chown(home, "postgres")
+    data, port = os.path.join(home, "data"), packing.PortBook().reserve()
+    run = {"capture_output": True, "timeout": 120}
+    subprocess.run([*as_user, _pg_bin("initdb"), "-D", data, "-U", "postgres", "--auth=trust", "--no-sync",
+                    "--no-locale", "-E", "UTF8"], check=True, **run)
+    subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", data, "-l", os.path.join(home, "log"), "-w", "-t", "60",
+                    "-o", f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c fsync=off", "start"], check=True, **run)
+    try:
+        subprocess.run([*as_user, _pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+                        "autotune"], check=True, **run)
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/autotune"
+    finally:
+        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", data, "-m", "immediate", "stop"], capture_output=True,
+                       timeout=60, check=False)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# Tiny benchmarks, one launch configuration per worker (draft_length is changed on the running server).
+SMALL = {"workload": "code", "num_requests": 2, "quick_requests": 1, "concurrency": 2, "max_tokens": 8, "live": False}
+ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
+              "dtype=float32", "quantization=none", "compile=none", "threads=1", "verify_slots=2", "draft_length=1..8"]
+
+
+@pytest.fixture
+def studies(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "STUDIES_DIR", tmp_path)
+    return tmp_path
+
+
+def create_study(name: str, url: str) -> optuna.Study:
+    """What `autotune run --storage URL` does, in this process: create the study and run its first trial."""
+    outcome = driver.run_study(driver.plan(driver.RunOptions(trials=1, study=name, storage=url, sets=ONE_SERVER,
+                                                             **SMALL)))
+    assert outcome.best is not None
+    return optuna.load_study(study_name=name, storage=parallel.open_storage(url))
+
+
+def start_worker(name: str, url: str, trials: int, studies_dir) -> subprocess.Popen:
+    env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(studies_dir), "AUTOTUNE_HEARTBEAT_S": "1"}
+    return subprocess.Popen([sys.executable, "-m", "autotune.cli", "worker", "--study", name, "--storage", url,
+                             "--trials", str(trials)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+
+
+def check_accounted(study: optuna.Study, trials: int) -> list:
+    """Every trial finished (none left RUNNING), ran by exactly one runner, and no configuration
+    measured twice; the study reached its count."""
+    all_trials = study.get_trials()
+    assert [t.number for t in all_trials] == list(range(len(all_trials)))
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) for t in all_trials)
+    measured = [t for t in all_trials if t.user_attrs.get("measured")]
+    assert trials <= len(measured) <= trials + 1  # two runners may both take the last one
+    keys = [t.user_attrs["effective_key"] for t in all_trials if t.state != TrialState.FAIL
+            and t.user_attrs.get("status") not in ("duplicate", "rejected")]
+    assert len(keys) == len(set(keys)), "a configuration was measured twice"
+    assert all(t.system_attrs.get(parallel.RUNNER) for t in measured)
+    return all_trials
+
+
+def wait(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"worker did not finish in {timeout} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in (e for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(postgres, studies):
+    study = create_study("shared", postgres)
+    victim, survivor = (start_worker("shared", postgres, 5, studies) for _ in range(2))
+    # Kill the victim (SIGKILL: no chance to clean up) in its second trial, once it has finished one.
+    deadline, running = time.monotonic() + 180, []
+    while not running and time.monotonic() < deadline and victim.poll() is None:
+        mine = [t for t in study.get_trials() if t.system_attrs.get(parallel.RUNNER, "").endswith(f" {victim.pid}")]
+        if any(t.state.is_finished() for t in mine):
+            running = [t for t in mine if t.state == TrialState.RUNNING]
+        time.sleep(0.2)
+    assert running, "the victim never got to a second trial"
+    engines = children(victim.pid)
+    victim.kill()
+    victim.wait()
+    for pid in engines:  # its engine server outlives it in its own process group
+        os.killpg(pid, signal.SIGKILL)
+    out = wait(survivor, 240)
+    assert "worker joined study shared" in out
+
+    trials = check_accounted(study, 5)
+    runners = {t.system_attrs[parallel.RUNNER].rsplit(" ", 1)[1] for t in trials if t.user_attrs.get("measured")}
+    assert {str(victim.pid), str(survivor.pid)} <= runners, "both workers measured trials"
+    dead = trials[running[0].number]
+    assert dead.state == TrialState.FAIL and dead.user_attrs["failure_kind"] == "stale"
+    assert str(victim.pid) in dead.user_attrs["failure"]
+
+    # What any machine reads from the shared storage: the summary and the winner's launch script.
+    show = CliRunner().invoke(app, ["show", "shared", "--storage", postgres])
+    assert show.exit_code == 0 and "trial" in show.output, show.output
+    export = CliRunner().invoke(app, ["export", "shared", "--storage", postgres, "--format", "sh",
+                                      "--out", str(studies / "out")])
+    assert export.exit_code == 0 and "--drafter ngram" in (studies / "out" / "launch.sh").read_text(), export.output
+
+
+def test_heartbeats_keep_a_live_remote_trial_and_fail_a_silent_one(postgres, monkeypatch):
+    monkeypatch.setattr(parallel, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(parallel, "GRACE_S", 2)
+    study = optuna.create_study(study_name="beats", storage=parallel.open_storage(postgres))
+    remote, silent, unclaimed = study.ask(), study.ask(), study.ask()
+    for trial in (remote, silent):  # runners on another machine: only their heartbeat can tell
+        study._storage.set_trial_system_attr(trial._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
+    with parallel.Heartbeat(study, remote):
+        study._storage.set_trial_system_attr(remote._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
+        study._storage.record_heartbeat(silent._trial_id)
+        time.sleep(3.5)
+        assert [t.number for t in parallel.stale_trials(study)] == [silent.number]
+        # Resuming (autotune run --resume) also fails the trial nobody claimed, never the live one.
+        assert [t.number for t in parallel.stale_trials(study, resume=True)] == [silent.number, unclaimed.number]
+        assert parallel.fail_stale(study, resume=True) == 2
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {remote.number: TrialState.RUNNING, silent.number: TrialState.FAIL,
+                      unclaimed.number: TrialState.FAIL}
+
+
+@pytest.mark.slow
+def test_two_workers_on_a_journal_file(studies):
+    url = str(studies / "shared-fs" / "journal.log")
+    study = create_study("journal", url)
+    workers = [start_worker("journal", url, 2, studies) for _ in range(2)]  # one trial left: one runs it, one waits
+    for w in workers:
+        wait(w, 240)
+    trials = check_accounted(study, 2)
+    assert len([t for t in trials if t.number > 0 and t.user_attrs.get("measured")]) == 1
