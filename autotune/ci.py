@@ -464,7 +464,8 @@ def write_summary(ctx, result: dict) -> Path:
               "|---|---|---|---|",
               f"| median | {num(ref['median'])} | {num(re_.get('median'))} | {num(new['median'] if new else None)} |"]
     if new and ref["median"]:
-        lines.append(f"| vs recorded | | {num((re_.get('median') or 0) / ref['median'])}x | {num(new['median'] / ref['median'])}x |")
+        ratio = "-" if re_.get("median") is None else f"{re_['median'] / ref['median']:.3g}x"
+        lines.append(f"| vs recorded | | {ratio} | {new['median'] / ref['median']:.3g}x |")
     lines.append("")
     if new:
         if new["flags_changed"]:
@@ -475,7 +476,7 @@ def write_summary(ctx, result: dict) -> Path:
         lines += ["", "Files updated: " + ", ".join(f"`{Path(p).relative_to(ctx.directory)}`" for p in result["files"])]
     lines += ["", (f"Re-tune: study `{tuned['study']}` warm-started from `{tuned['from']}` ({tuned['enqueued']} "
                    f"previous top configurations enqueued, {tuned['remembered_failures']} failed configurations "
-                   f"remembered), {tuned['measured']} trials measured.")]
+                   f"remembered); trials measured: {tuned['measured']}.")]
     if tuned.get("problem"):
         lines.append(f"Problem: {tuned['problem']}.")
     path = ctx.directory / "ci-summary.md"
