@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from autotune.cli import app
-from autotune.hardware import CpuInfo, Hardware, classify_from_fixture
+from autotune.hardware import CpuInfo, Hardware, classify_from_fixture, probe
 from autotune.space.space import load_space
 from autotune.study import driver, packing, parallel, storage
 
@@ -195,10 +195,10 @@ def studies(tmp_path, monkeypatch):
     return tmp_path
 
 
-def create_study(name: str, url: str) -> optuna.Study:
-    """What `autotune run --storage URL` does, in this process: create the study and run its first trial."""
-    outcome = driver.run_study(driver.plan(driver.RunOptions(trials=1, study=name, storage=url, sets=ONE_SERVER,
-                                                             **SMALL)))
+def create_study(name: str, url: str, trials: int = 1, **options) -> optuna.Study:
+    """What `autotune run --storage URL` does, in this process: create the study and run its first trials."""
+    outcome = driver.run_study(driver.plan(driver.RunOptions(
+        trials=trials, study=name, storage=url, **{"sets": ONE_SERVER, **SMALL, **options})))
     assert outcome.best is not None
     return optuna.load_study(study_name=name, storage=parallel.open_storage(url))
 
@@ -304,11 +304,17 @@ def test_heartbeats_keep_a_live_remote_trial_and_fail_a_silent_one(postgres, mon
 
 
 @pytest.mark.slow
-def test_two_workers_on_a_journal_file(studies):
+def test_parallel_run_then_two_workers_on_a_journal_file(studies):
     url = str(studies / "shared-fs" / "journal.log")
-    study = create_study("journal", url)
-    workers = [start_worker("journal", url, 2, studies) for _ in range(2)]  # one trial left: one runs it, one waits
+    # `autotune run --parallel 2`: two engines side by side, the CPU cores split between them.
+    study = create_study("journal", url, trials=2, parallel=2, sets=[s for s in ONE_SERVER if s != "threads=1"])
+    first, cores = study.get_trials()[:2], probe("cpu").cpu.cores
+    assert all(t.user_attrs["launch"] == "launched" and t.user_attrs["config"]["threads"] == cores // 2 for t in first)
+    assert first[1].datetime_start < first[0].datetime_complete and first[0].datetime_start < first[1].datetime_complete
+    ports = {t.user_attrs["argv"][t.user_attrs["argv"].index("--port") + 1] for t in first}
+    assert len(ports) == 2
+    workers = [start_worker("journal", url, 3, studies) for _ in range(2)]  # one trial left: one runs it, one waits
     for w in workers:
         wait(w, 240)
-    trials = check_accounted(study, 2)
-    assert len([t for t in trials if t.number > 0 and t.user_attrs.get("measured")]) == 1
+    trials = check_accounted(study, 3)
+    assert len([t for t in trials if t.number > 1 and t.user_attrs.get("measured")]) == 1
