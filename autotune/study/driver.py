@@ -390,7 +390,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     key = _effective_key(p, config)
     attrs.update(effective=effective, effective_key=key)
     trial.set_user_attr("effective_key", key)  # seen by runners sharing the study: a twin waits for this result
-    wait_for_twins(study, trial, key)
+    wait_for_twins(study, trial, key, servers)
     for earlier in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         if earlier.user_attrs.get("effective_key") == key and earlier.user_attrs.get("status") != "duplicate":
             copied = {k: v for k, v in earlier.user_attrs.items() if k not in ("config", "seed_config", "measured", "timings")}

@@ -31,7 +31,6 @@ WAIT_S = 1.0  # between looks at the study while the trials in flight could stil
 
 # We heartbeat ask/tell loops ourselves; Optuna warns that its heartbeat is meant for optimize().
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning, module="optuna.storages")
 
 
 def open_storage(url: str):
@@ -39,8 +38,10 @@ def open_storage(url: str):
     with heartbeats, or a file path: Optuna's JournalStorage file, for a shared filesystem."""
     if "://" in url:
         kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                          engine_kwargs=kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats since Optuna 2.9
+            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                              engine_kwargs=kwargs)
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     Path(url).parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +144,19 @@ def fail(study: optuna.Study, trial_id: int, kind: str, why: str, status: str = 
         return False
 
 
+def wait_for_twins(study: optuna.Study, trial: optuna.Trial, key: str, servers) -> None:
+    """Wait while an earlier trial with the same effective configuration runs elsewhere, so that its
+    result is reused instead of measured twice (if its runner dies, the trial fails and ours runs)."""
+    last_sweep = time.monotonic()
+    while any(t.number < trial.number and t.user_attrs.get("effective_key") == key
+              for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+        servers.stop()  # our idle server may hold the very GPUs the twin waits for
+        if time.monotonic() - last_sweep > HEARTBEAT_S:
+            last_sweep = time.monotonic()
+            fail_stale(study)
+        time.sleep(WAIT_S)
+
+
 # -- how many side by side ---------------------------------------------------------------------------
 def arrange(space, hardware, parallel: int | str):
     """(the space, trials run side by side). `auto`: as many as the GPUs hold at the smallest
@@ -238,7 +252,7 @@ class Fleet:
 
         servers = self.servers[i]
         try:
-            while (trial := self._next_trial()) is not None:
+            while (trial := self._next_trial(servers)) is not None:
                 self.running[i] = trial
                 t0 = time.monotonic()
                 try:
@@ -269,7 +283,7 @@ class Fleet:
         finally:
             servers.stop()
 
-    def _next_trial(self) -> optuna.Trial | None:
+    def _next_trial(self, servers) -> optuna.Trial | None:
         """Ask the study for one more trial, wait while the trials in flight may still complete it, or stop."""
         from autotune.study.driver import MAX_IDLE_ASKS
 
@@ -295,4 +309,6 @@ class Fleet:
                     return None
                 if measured + running < opts.trials:
                     return self.study.ask()
+            if self.pool.waiting():  # a trial in flight may wait for the GPUs our idle server holds
+                servers.stop()
             time.sleep(WAIT_S)
