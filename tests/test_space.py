@@ -96,3 +96,4 @@ def test_hardware_conditions():
     space = restrict_space(load_space("embedded"), None, shape, draft_model=None)
     assert "draft_model" not in space.params["drafter"].choices
     assert space.params["cuda_graph_batch_sizes"].fixed == []
+    assert space.params["compile"].fixed == "none"

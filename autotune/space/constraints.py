@@ -145,6 +145,10 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
         narrow("quantization", choices=[c for c in params["quantization"].choices if _fp8_allowed(c, _fp8_mode(hw))])
     if "cuda_graph_batch_sizes" in params and not _gpu_count(hw):
         narrow("cuda_graph_batch_sizes", choices=[[]], fixed=[])
+    if "compile" in params and not _gpu_count(hw):
+        # On a CPU torch.compile runs at the first request and takes longer than a trial may
+        # (every compile trial of a default run timed out): offered only where it can pay off.
+        narrow("compile", choices=["none"], fixed="none")
     if "threads" in params:
         narrow("threads", high=min(params["threads"].high, _cpu_cores(hw)))
     for name in TP_NAMES:
