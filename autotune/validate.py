@@ -71,6 +71,7 @@ class StudyContext:
 def open_study(study: str | Path, storage: str | None = None) -> StudyContext:
     """A study by name (under studies/) or by its directory; ValueError (one line) when there is none."""
     from autotune.study import storage as store
+    from autotune.study.parallel import open_storage
 
     path = Path(study)
     directory = path if (path / "study.db").exists() or (path / "provenance.json").exists() else store.study_dir(str(study))
@@ -78,13 +79,14 @@ def open_study(study: str | Path, storage: str | None = None) -> StudyContext:
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         raise ValueError(f"no study {str(study)!r}: {url.removeprefix('sqlite:///')} does not exist")
     try:
-        names = optuna.get_all_study_names(url)
+        backend = open_storage(url)  # database URLs and journal files alike
+        names = optuna.get_all_study_names(backend)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy reports a bad URL in many ways
         raise ValueError(f"cannot open storage {url}: {str(e).splitlines()[0]}") from None
     name = directory.name if directory.name in names else (names[0] if len(names) == 1 else None)
     if name is None:
         raise ValueError(f"no study {directory.name!r} in {url} (it holds: {', '.join(names) or 'none'})")
-    s = optuna.load_study(study_name=name, storage=url)
+    s = optuna.load_study(study_name=name, storage=backend)
     prov_path = directory / "provenance.json"
     provenance = json.loads(prov_path.read_text()) if prov_path.exists() else {}
     attrs = s.user_attrs

@@ -4,12 +4,14 @@ The server gets its own process group (engines fork workers: tokenizer, detokeni
 stopping it signals the whole group: SIGTERM, a grace period, then SIGKILL. Never a shell: argv goes
 straight to exec. Output goes to one log file per launch, which is also what failures are read from.
 """
+import ctypes
 import os
 import re
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,7 +61,8 @@ class Launcher:
             log.flush()
             try:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True)
+                                             env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
             except OSError as e:  # no such executable, not executable, ...
                 raise LaunchError("crash", f"cannot start {self.argv[0]}: {e}", argv=self.argv) from None
         deadline = time.monotonic() + timeout
@@ -151,3 +154,12 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def _die_with_parent():
+    """In the child before exec: a tuner killed with SIGKILL must not leave its engine holding the GPU.
+
+    Linux sends the signal when the launching *thread* ends: launch from a thread that outlives the server.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
