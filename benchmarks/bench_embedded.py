@@ -8,8 +8,9 @@
     python3 benchmarks/bench_embedded.py [--quick] [--threads N] [--device cuda]
 
 On CUDA (bf16, 256 tokens by default): the engine with CUDA graphs vs HF generate with the dynamic
-cache and with cache_implementation="static". Times are wall-clock medians over --repeats runs of
-one request each, prompt included, after one warm-up.
+cache and with cache_implementation="static". Each comparison alternates the two sides run by run
+(one request each, prompt included, after one warm-up) and reports the median over pairs of the
+time ratio, so drift on a shared machine hits both sides alike.
 """
 import argparse
 import functools
@@ -59,13 +60,27 @@ def timed(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[i
     return seconds, out, final[0]
 
 
-def measure(engine: Engine, prompt, tokens: int, repeats: int) -> dict:
-    timed(engine, prompt, min(tokens, 16))  # warm-up (allocator, graphs, compile)
-    runs = [timed(engine, prompt, tokens) for _ in range(repeats)]
-    seconds = statistics.median(r[0] for r in runs)
+def paired(run_a, run_b, repeats: int) -> tuple[list, list, float]:
+    """Alternate two runs (a, b, a, b, ...) so drift on a shared machine hits both alike.
+
+    Returns the runs of each and the median over pairs of seconds(a) / seconds(b): b's speedup over a.
+    """
+    run_a(warmup=True), run_b(warmup=True)  # allocator, graphs, compile
+    runs_a, runs_b = [], []
+    for _ in range(repeats):
+        runs_a.append(run_a())
+        runs_b.append(run_b())
+    return runs_a, runs_b, statistics.median(a[0] / b[0] for a, b in zip(runs_a, runs_b))
+
+
+def engine_run(engine: Engine, prompt, tokens: int):
+    return lambda warmup=False: timed(engine, prompt, min(tokens, 16) if warmup else tokens)
+
+
+def summary(runs, tokens: int) -> dict:
     spec = runs[0][2].spec
-    return {"tok_s": tokens / seconds, "tokens": runs[0][1], "accept_length": tokens / spec.verify_steps,
-            "accept_rate": spec.accept_rate}
+    return {"tok_s": tokens / statistics.median(r[0] for r in runs), "tokens": runs[0][1],
+            "accept_length": tokens / spec.verify_steps, "accept_rate": spec.accept_rate}
 
 
 def hf_model(path, dtype, device):
@@ -86,11 +101,14 @@ def hf_model(path, dtype, device):
     return model.to(device).eval()
 
 
-def hf_generate(model, prompt, tokens: int, repeats: int, device, static: bool) -> dict:
+def hf_run(model, prompt, tokens: int, device, static: bool):
     ids = torch.tensor([prompt], device=device)
     extra = {"cache_implementation": "static"} if static else {}
 
-    def run(n):
+    def run(warmup=False):
+        n = min(tokens, 16) if warmup else tokens
+        if warmup and static:
+            run()  # the static cache compiles per shape: warm the measured one too
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, top_p=None, top_k=None, temperature=None, **extra)
@@ -98,11 +116,7 @@ def hf_generate(model, prompt, tokens: int, repeats: int, device, static: bool) 
             torch.cuda.synchronize()
         return time.perf_counter() - start, out[0, len(prompt):].tolist()
 
-    run(min(tokens, 16))
-    if static:
-        run(tokens)  # compiles per shape
-    runs = [run(tokens) for _ in range(repeats)]
-    return {"tok_s": tokens / statistics.median(r[0] for r in runs), "tokens": runs[0][1]}
+    return run
 
 
 def main():
@@ -136,50 +150,50 @@ def main():
     plain_engine = Engine(EngineConfig(drafter="none", **base))
     plain_engine.start()
     prompts = workloads(plain_engine.tokenizer)
-    plain = {name: measure(plain_engine, prompt, tokens, repeats) for name, prompt in prompts.items()}
-    plain_engine.stop()
 
-    # (a) plain decode vs HF transformers
-    table = Table(title="(a) plain greedy decode, bs 1, chat prompt")
-    for column in ("engine", "tok/s", "engine / this", "same tokens"):
+    # (a) plain decode vs HF transformers, runs alternated
+    table = Table(title=f"(a) plain greedy decode, bs 1, chat prompt, median of {repeats} alternated pairs")
+    for column in ("peer", "peer tok/s", "embedded tok/s", "embedded / peer", "same tokens"):
         table.add_column(column)
-    ours = plain["chat"]
-    table.add_row("embedded" + (" + CUDA graphs" if cuda else ""), f"{ours['tok_s']:.1f}", "1.00", "-")
     if not args.no_hf:
         model = hf_model(weights.bundled_gguf_path(), getattr(torch, dtype), args.device)
         for static in ((False, True) if cuda else (False,)):
-            hf = hf_generate(model, prompts["chat"], tokens, repeats, args.device, static)
-            table.add_row("HF generate" + (" static cache" if static else ""), f"{hf['tok_s']:.1f}",
-                          f"{ours['tok_s'] / hf['tok_s']:.2f}x", str(hf["tokens"] == ours["tokens"]))
-    console.print(table)
+            hf_runs, ours_runs, ratio = paired(hf_run(model, prompts["chat"], tokens, args.device, static),
+                                               engine_run(plain_engine, prompts["chat"], tokens), repeats)
+            table.add_row("HF generate" + (" static cache" if static else ""),
+                          f"{tokens / statistics.median(r[0] for r in hf_runs):.1f}",
+                          f"{summary(ours_runs, tokens)['tok_s']:.1f}", f"{ratio:.2f}x",
+                          str(hf_runs[0][1] == ours_runs[0][1]))
+        console.print(table)
 
-    # (c) the sweep, from which (b) takes the best setting per workload
-    sweep = Table(title="(c) draft-length sweep (greedy)")
+    # (c) the sweep, each setting alternated with plain decode; (b) takes the best setting per workload
+    sweep = Table(title=f"(c) draft-length sweep (greedy), speedup = median of {repeats} alternated pairs")
     for column in ("workload", "drafter", "k", "tok/s", "vs plain", "accept length", "accept rate", "same tokens"):
         sweep.add_column(column)
-    best = {name: ("none", 0, plain[name]) for name in prompts}
+    best = {name: ("none", 0, None, 1.0) for name in prompts}
     for drafter in args.drafters.split(","):
         engine = Engine(EngineConfig(drafter=drafter, early_exit_layers=6, **base))
         engine.start()
         for name, prompt in prompts.items():
             for k in lengths:
                 engine.update_runtime(draft_length=k)
-                result = measure(engine, prompt, tokens, repeats)
-                same = result["tokens"] == plain[name]["tokens"]
-                sweep.add_row(name, drafter, str(k), f"{result['tok_s']:.1f}",
-                              f"{result['tok_s'] / plain[name]['tok_s']:.2f}x", f"{result['accept_length']:.2f}",
-                              f"{result['accept_rate']:.2f}", str(same))
-                if same and result["tok_s"] > best[name][2]["tok_s"]:
-                    best[name] = (drafter, k, result)
+                plain_runs, spec_runs, speedup = paired(engine_run(plain_engine, prompt, tokens),
+                                                        engine_run(engine, prompt, tokens), repeats)
+                result = summary(spec_runs, tokens)
+                same = result["tokens"] == plain_runs[0][1]
+                sweep.add_row(name, drafter, str(k), f"{result['tok_s']:.1f}", f"{speedup:.2f}x",
+                              f"{result['accept_length']:.2f}", f"{result['accept_rate']:.2f}", str(same))
+                if same and speedup > best[name][3]:
+                    best[name] = (drafter, k, result, speedup)
         engine.stop()
+    plain_engine.stop()
     console.print(sweep)
 
     table = Table(title="(b) best speculative setting vs plain decode (greedy outputs identical)")
-    for column in ("workload", "plain tok/s", "best setting", "tok/s", "speedup"):
+    for column in ("workload", "best setting", "tok/s", "speedup vs plain (paired)"):
         table.add_column(column)
-    for name, (drafter, k, result) in best.items():
-        table.add_row(name, f"{plain[name]['tok_s']:.1f}", f"{drafter} k={k}", f"{result['tok_s']:.1f}",
-                      f"{result['tok_s'] / plain[name]['tok_s']:.2f}x")
+    for name, (drafter, k, result, speedup) in best.items():
+        table.add_row(name, f"{drafter} k={k}", f"{result['tok_s']:.1f}" if result else "-", f"{speedup:.2f}x")
     console.print(table)
 
 
