@@ -468,6 +468,10 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
     def tok_s(results):
         return sum(r["completion_tokens"] for r in results) / sum(r["seconds"] for r in results)
 
+    def modelled(results):  # tokens per verify-step time under the fitted cost model: free of machine noise
+        return sum(r["completion_tokens"] for r in results) / sum(
+            r["spec_verify_steps"] + doc["c"] * r["spec_draft_tokens"] for r in results)
+
     medians = {arm: statistics.median(tok_s(rep) for rep in runs[arm]) for arm in arms}
     best = max(arms[1:], key=medians.get)
     greedy = [i for i, r in enumerate(todo) if r["temperature"] == 0]
@@ -494,11 +498,15 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
         rejections = sum(r["spec_rejections"] for r in cell["mine"])
         rows.append({"band": band, "bucket": bucket, "requests": cell["requests"], "k": cell["k"],
                      "alpha": alpha_mle(accepted, rejections), "estimator_tok_s": tok_s(cell["mine"]),
-                     f"{best}_tok_s": tok_s(cell["best"]), "ratio": tok_s(cell["mine"]) / tok_s(cell["best"])})
+                     f"{best}_tok_s": tok_s(cell["best"]), "ratio": tok_s(cell["mine"]) / tok_s(cell["best"]),
+                     "modelled_ratio": modelled(cell["mine"]) / modelled(cell["best"])})
     report = {"estimator": str(estimator_path), "workload": workload, "requests": len(todo), "repeats": repeats,
               "max_tokens": max_tokens, "engine_config": config, "tok_s_median": medians, "best_fixed": best,
               "gain": medians["estimator"] / medians[best] - 1,
               "tok_s_per_repeat": {arm: [tok_s(rep) for rep in runs[arm]] for arm in arms},
+              "modelled_speed": {arm: modelled([r for rep in runs[arm] for r in rep]) for arm in arms},
               "greedy_requests": len(greedy), "greedy_outputs_differ": differ, "buckets": rows}
     (log_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    pd.DataFrame([dict(r, arm=arm, repeat=rep, request=i) for arm in arms for rep, results in enumerate(runs[arm])
+                  for i, r in enumerate(results)]).to_parquet(log_dir / "eval-requests.parquet", index=False)
     return report
