@@ -234,6 +234,8 @@ def fit(rows: pd.DataFrame, *, c: float | None = None, max_k: int | None = None,
                  *[col for col in ("k", "spec_draft_seconds", "spec_verify_seconds") if col in frame]]
     info = {**{k: v for k, v in cost.items() if k != "c"}, "max_k": max_k, "feature_quality": quality,
             "fallback_feature": fallback, "source": source, "requests": len(frame),
+            "rejections_from": "estimated from accepts per step (the rows lack spec_rejections)"
+            if frame.get("rejections_estimated", pd.Series([False])).any() else "counted by the engine",
             "data": json.loads(frame[data_cols].to_json(orient="records"))}
     return Estimator(tables[primary], tables[fallback], cost["c"], info)
 

@@ -53,6 +53,10 @@ def test_fit_recovers_alpha_and_optimal_k(fitted):
     rows = synthetic_rows()
     top = rows[(rows["temperature"] == 0.0) & rows["text"].str.startswith("1 2")]
     assert top["spec_accepted_tokens"].sum() / top["spec_draft_tokens"].sum() < ALPHA[(0, 0)] - 0.1
+    # rows without rejection counts (a study's bench rows): estimated from accepts per step, still close
+    moments = fit(rows.drop(columns=["spec_rejections"]), c=C, max_k=8)
+    assert moments.info["rejections_from"].startswith("estimated")
+    assert all(abs(cell["alpha"] - ALPHA[(cell["band"], cell["bucket"])]) < 0.05 for cell in moments.primary.buckets)
 
 
 def test_standalone_module_and_engine_agree_with_the_fit(fitted, tmp_path):
