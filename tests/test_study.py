@@ -161,6 +161,7 @@ def test_hopelessly_slow_config_is_pruned_by_the_quick_timeout(studies, monkeypa
     assert (pd.read_parquet(studies / "slow" / "requests" / f"trial-{slow.number}.parquet")["error_kind"] == "timeout").all()
 
 
+@pytest.mark.slow
 def test_predicted_configurations_are_new_and_fit(studies):
     p = driver.plan(driver.RunOptions(gpu="h100-sxm5", study="predicted", **SMALL))
     study = optuna.create_study(direction="maximize")
