@@ -18,8 +18,9 @@ import pandas as pd
 from .client import RequestRecord
 from .slo import SLO, STATS
 
-SPEC_FIELDS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "accept_length", "accept_rate",
-               "prompt_entropy", "spec_verify_ct")
+SPEC_FIELDS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_rejections",
+               "spec_draft_seconds", "spec_verify_seconds", "accept_length", "accept_rate", "prompt_entropy",
+               "spec_verify_ct")
 
 
 def request_itls(rec: RequestRecord) -> list[float]:
