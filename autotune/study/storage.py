@@ -72,7 +72,9 @@ def write_trials(study: optuna.Study, path: Path) -> None:
         if frame[column].dtype == object and frame[column].map(type).nunique() > 1:
             frame[column] = frame[column].map(lambda v: None if v is None else str(v))
     path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_parquet(path, index=False)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # workers on one host rewrite the same file
+    frame.to_parquet(partial, index=False)
+    os.replace(partial, path)
 
 
 def write_provenance(path: Path, *, hardware, engine: str, model: str | None, draft_model: str | None,
@@ -90,6 +92,9 @@ def write_provenance(path: Path, *, hardware, engine: str, model: str | None, dr
                      "cuda": torch.version.cuda, "python": platform.python_version()},
         "host": platform.node(),
     }
+    from autotune import ci  # the environment fingerprint `autotune ci` compares, thread count and dtypes included
+
+    info["fingerprint"] = ci.fingerprint(engine, model, draft_model, hardware)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2, default=str))
     return info
