@@ -186,6 +186,12 @@ def run(
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)
+        from autotune.estimator import fit_from_study
+
+        try:  # the per-request draft-length policy, from the acceptance every trial measured
+            typer.echo(f"draft-length estimator: {fit_from_study(outcome.directory)}")
+        except ValueError as e:
+            typer.echo(f"draft-length estimator: not fitted ({e})")
 
 
 # -- autotune worker: more hands for a study in a shared storage -----------------------------------------
