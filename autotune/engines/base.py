@@ -25,6 +25,22 @@ def is_flag(token: str) -> bool:
     return token.startswith("-") and len(token) > 1 and not _NUMBER.match(token)
 
 
+def flag_groups(args: list[str]):
+    """Yield (token, flag name, values) per flag: `--x=1` carries its value; `--x 1 2` takes the
+    non-flag tokens after it. A stray leading non-flag token comes alone, with no values."""
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        name, eq, inline = token.partition("=")
+        values = [inline] if eq else []
+        if not eq and is_flag(token):
+            while i < len(args) and not is_flag(args[i]):
+                values.append(args[i])
+                i += 1
+        yield token, name, values
+
+
 @functools.cache
 def load_schema(engine: str, version: str) -> dict:
     schema = json.loads((SCHEMA_DIR / f"{engine}-{version}.json").read_text())
@@ -60,19 +76,11 @@ def _arity(nargs) -> tuple[int, int]:
 def schema_errors(args: list[str], schema: dict) -> list[str]:
     """Every flag known, every value of the right type and choice, the right number of values."""
     label = f"{schema['engine']} {schema['version']}"
-    errors, i = [], 0
-    while i < len(args):
-        token = args[i]
-        i += 1
+    errors = []
+    for token, name, values in flag_groups(args):
         if not is_flag(token):
             errors.append(f"{token!r} is not a flag and follows no flag that takes it")
             continue
-        name, eq, inline = token.partition("=")
-        values = [inline] if eq else []
-        if not eq:
-            while i < len(args) and not is_flag(args[i]):
-                values.append(args[i])
-                i += 1
         option = schema["by_flag"].get(name)
         if option is None and "." in name and schema["by_flag"].get(name.split(".")[0], {}).get("type") == "json":
             continue  # vLLM's --compilation-config.mode 3: one key of a JSON option
@@ -109,19 +117,10 @@ def engine_parser_errors(engine: str, args: list[str], timeout_s: float = 180.0)
 def translate_renamed(args: list[str], schema: dict) -> tuple[list[str], list[str]]:
     """Rewrite flags of older versions to this one's; (new args, one note per rewrite)."""
     out, notes, merged = [], [], {}  # merged: JSON option -> {key: value} gathered from old flags
-    i = 0
-    while i < len(args):
-        token = args[i]
-        i += 1
-        name, eq, inline = token.partition("=")
-        values = [inline] if eq else []
-        if not eq:
-            while i < len(args) and not is_flag(args[i]):
-                values.append(args[i])
-                i += 1
+    for token, name, values in flag_groups(args):
         rename = schema["renamed"].get(name) if is_flag(token) else None
         if rename is None:
-            out += [token] if eq else [token, *values]
+            out += [token] if "=" in token else [token, *values]
             continue
         notes.append(f"{name}: {rename['note']}")
         if "into" in rename:
