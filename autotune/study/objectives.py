@@ -47,10 +47,11 @@ def make_sampler(objective: str, seed: int | None = None, n_startup_trials: int 
     """TPE for one objective and for `pareto` (its multi-objective form), multivariate with group
     decomposition so the conditional parameters (draft settings under each drafter) are modelled
     per sub-space instead of being sampled independently. Few random start-up trials: the seeds
-    enqueued first already spread over the space, and each trial costs a launch."""
+    enqueued first already spread over the space, and each trial costs a launch. constant_liar: trials
+    still running (parallel runners, other workers) count as bad, so workers don't all pick one spot."""
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # `group` is experimental
     return optuna.samplers.TPESampler(
-        n_startup_trials=n_startup_trials, multivariate=True, group=True, seed=seed)
+        n_startup_trials=n_startup_trials, multivariate=True, group=True, constant_liar=True, seed=seed)
 
 
 def make_pruner(objective: str) -> optuna.pruners.BasePruner:
