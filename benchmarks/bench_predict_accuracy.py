@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 
 from autotune import PROJECT_ROOT
 from autotune.hardware import get_profile
-from autotune.predict import Calibration, load_model, predict_speed, predict_trial
+from autotune.predict import Calibration, calibration, load_model, predict_speed, predict_trial
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
 LOAD = {"concurrency": 4, "num_requests": 4, "output_tokens": 32}  # the grid's load (its header)
@@ -75,18 +74,7 @@ def code_prompt_tokens() -> int:
 
 
 def grid_trials(prompt_tokens: int) -> list[dict]:
-    rows = csv.DictReader(line for line in CSV.read_text().splitlines() if not line.startswith("#"))
-    trials = []
-    for r in rows:
-        if r["error"] or not r["output_tok_s"]:
-            continue
-        config = {"drafter": r["drafter"], "verify_slots": int(r["verify_slots"]), "prefill_ubatch": int(r["prefill_ubatch"]),
-                  "dtype": "float32", "early_exit_layers": 8}
-        if r["draft_length"]:
-            config["draft_length"] = int(r["draft_length"])
-        trials.append({"config": config, **LOAD, "prompt_tokens": prompt_tokens, "output_tok_s": float(r["output_tok_s"]),
-                       "accept_length": float(r["accept_length"]) if r["accept_length"] else None})
-    return trials
+    return calibration.grid_trials(CSV, **LOAD, prompt_tokens=prompt_tokens)
 
 
 def _err(pred: float, measured: float) -> float:

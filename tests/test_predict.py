@@ -1,6 +1,5 @@
 """The memory and speed model (autotune/predict/): arithmetic checked by hand, calibration on a measured
 grid, the ranked `autotune estimate` CLI."""
-import csv
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from autotune.predict import (
     presets,
     rank_configs,
 )
+from autotune.predict.calibration import grid_trials
 from autotune.predict.knobs import read_knobs
 from autotune.predict.speed import alpha_from_accept_length
 from autotune.space import load_space
@@ -142,17 +142,8 @@ def test_speed_terms():
 
 def _grid_trials():
     """The embedded engine's measured grid on this CPU (benchmarks/bench_sample_efficiency.py)."""
-    path = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
-    rows = csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#"))
-    trials = []
-    for r in rows:
-        if r["error"] or not r["output_tok_s"]:
-            continue
-        config = {"drafter": r["drafter"], "verify_slots": int(r["verify_slots"]), "prefill_ubatch": int(r["prefill_ubatch"]),
-                  "dtype": "float32", "early_exit_layers": 8, "draft_length": int(r["draft_length"] or 0) or None}
-        trials.append({"config": config, "concurrency": 4, "num_requests": 4, "output_tokens": 32, "prompt_tokens": 200,
-                       "output_tok_s": float(r["output_tok_s"]), "accept_length": float(r["accept_length"] or 1)})
-    return trials
+    return grid_trials(PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv",
+                       concurrency=4, num_requests=4, output_tokens=32, prompt_tokens=200)
 
 
 def test_calibration_reduces_the_error_on_the_measured_cpu_grid():

@@ -142,3 +142,26 @@ def predict_trial(trial: dict, model: ModelSpec, profile, engine: str | None = N
     coef = calibration.coefficients if calibration else default_coefficients(profile)
     passes, tokens, _ = trial_passes(trial, model, profile, engine, calibration.alphas if calibration else {}, draft)
     return tokens / sum(c * p.seconds(coef) for c, p in passes)
+
+
+GRID_DEFAULTS = {"prefill_ubatch": 256, "early_exit_layers": 8, "dtype": "float32"}  # the grid header's fixed settings
+
+
+def grid_trials(path, *, concurrency: int, num_requests: int, output_tokens: int, prompt_tokens: int) -> list[dict]:
+    """Trials from a recorded grid CSV (benchmarks/bench_sample_efficiency.py --measure): one per
+    measured cell, its swept settings over the grid's fixed ones, at the load it was measured with."""
+    import csv
+    from pathlib import Path
+
+    text = Path(path).read_text().splitlines()
+    trials = []
+    for r in csv.DictReader(line for line in text if not line.startswith("#")):
+        if r["error"] or not r["output_tok_s"]:
+            continue
+        swept = {k: (v if k in ("drafter", "dtype") else int(v)) for k, v in r.items()
+                 if k in ("drafter", "draft_length", "dtype", "threads", "verify_slots", "prefill_ubatch") and v}
+        trials.append({"config": {**GRID_DEFAULTS, **swept}, "concurrency": concurrency, "num_requests": num_requests,
+                       "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,
+                       "output_tok_s": float(r["output_tok_s"]),
+                       "accept_length": float(r["accept_length"]) if r["accept_length"] else None})
+    return trials
