@@ -182,6 +182,11 @@ class EngineAdapter:
     def effective(self, config: dict) -> dict:
         return dict(config)
 
+    def explicit(self, config: dict) -> dict:
+        """The settings that differ from the engine's own defaults (unset, "none" and defaults dropped)."""
+        defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}
+        return {k: v for k, v in config.items() if v is not None and v != "none" and v != defaults.get(k)}
+
     def engine_args(self, argv: list[str]) -> list[str]:
         """argv without the entry prefix (the adapter's own command() output is accepted as is)."""
         return list(argv[len(self.entry):]) if tuple(argv[:len(self.entry)]) == self.entry else list(argv)

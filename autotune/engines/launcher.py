@@ -62,7 +62,7 @@ class Launcher:
             try:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call
             except OSError as e:  # no such executable, not executable, ...
                 raise LaunchError("crash", f"cannot start {self.argv[0]}: {e}", argv=self.argv) from None
         deadline = time.monotonic() + timeout
@@ -156,10 +156,14 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+# Looked up once here: the child runs only this call between fork and exec (no dlopen, no locks).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent():
     """In the child before exec: a tuner killed with SIGKILL must not leave its engine holding the GPU.
 
     Linux sends the signal when the launching *thread* ends: launch from a thread that outlives the server.
     """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -75,8 +75,7 @@ class SGLangAdapter(EngineAdapter):
 
     def effective(self, config):
         """What SGLang would run: its silent rewrites applied, defaults and inert flags dropped."""
-        defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}
-        c = {k: v for k, v in config.items() if v is not None and v != "none" and v != defaults.get(k)}
+        c = self.explicit(config)
         algo = c.get("speculative_algorithm")
         if algo is None:
             c = {k: v for k, v in c.items() if not k.startswith("speculative_")}

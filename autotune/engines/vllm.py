@@ -69,8 +69,7 @@ class VLLMAdapter(EngineAdapter):
 
     def effective(self, config):
         """What vLLM would run: speculative defaults filled in, defaults and inert flags dropped."""
-        defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}
-        c = {k: v for k, v in config.items() if v is not None and v != "none" and v != defaults.get(k)}
+        c = self.explicit(config)
         method = c.get("speculative_method")
         if method is None:
             c = {k: v for k, v in c.items() if k not in SPEC_KEYS}
