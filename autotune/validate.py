@@ -107,10 +107,10 @@ def open_study(study: str | Path, storage: str | None = None) -> StudyContext:
 
 
 def _is_bundled(model: str) -> bool:
-    from autotune.space import constraints
+    from autotune.embedded.weights import bundled_gguf_path
 
     try:
-        return Path(model).resolve() == Path(constraints.bundled_model()).resolve()
+        return Path(model).resolve() == bundled_gguf_path().resolve()
     except Exception:  # noqa: BLE001 - no bundled model installed: keep the path as given
         return False
 

@@ -103,7 +103,7 @@ def test_hf_config_directory(tmp_path):
 
 def test_drop_in_for_the_constraints_estimate():
     smol = load_model(None)
-    shape = ModelShape(smol.layers, smol.heads, smol.kv_heads, smol.head_dim, int(smol.params))  # what the driver holds
+    shape = ModelShape.of(smol)  # what the driver holds
     fit = estimate_memory({"verify_slots": 4096, "dtype": "float32"}, planned(H100), shape)
     assert not fit.fits and "4096 x 2048-token slot cache" in fit.reason
     small = estimate_memory({"verify_slots": 4, "dtype": "float32"}, planned(H100), shape)

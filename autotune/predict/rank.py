@@ -82,7 +82,7 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
 
     adapter = get_adapter(space.engine)
     hw = _hardware(profile, num_gpus)
-    shape = ModelShape(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params))
+    shape = ModelShape.of(model)
     seen, ranked = set(), []
     for config in candidate_configs(space):
         algo = config.get("speculative_algorithm") or config.get("speculative_method")

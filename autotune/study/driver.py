@@ -146,8 +146,8 @@ def plan(opts: RunOptions) -> Plan:
     overrides.update(parse_set_options(opts.sets))
     space = space.narrowed(overrides)
     hardware = probe(opts.gpu)
-    shape = constraints.model_shape(opts.model)
     model = predict.load_model(opts.model)  # None: the bundled SmolLM2
+    shape = constraints.ModelShape.of(model)
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model)
     from autotune.study.parallel import arrange
@@ -257,6 +257,8 @@ class Outcome:
 
 
 def run_study(p: Plan, console=None) -> Outcome:
+    from autotune.embedded.weights import bundled_gguf_path
+
     opts = p.opts
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
@@ -264,7 +266,7 @@ def run_study(p: Plan, console=None) -> Outcome:
                                       objectives.make_pruner(opts.objective), opts.resume)
     (p.directory / "logs").mkdir(parents=True, exist_ok=True)
     storage.write_provenance(p.directory / "provenance.json", hardware=p.hardware, engine=opts.engine,
-                             model=opts.model or str(constraints.bundled_model()), draft_model=opts.draft_model,
+                             model=opts.model or str(bundled_gguf_path()), draft_model=opts.draft_model,
                              workload=opts.workload, space_source=p.space.source)
     study.set_user_attr("engine", opts.engine)
     study.set_user_attr("objective", opts.objective)
