@@ -82,19 +82,22 @@ def write_provenance(path: Path, *, hardware, engine: str, model: str | None, dr
     """What `autotune ci` compares later: the machine, the software versions and the exact model."""
     import torch
 
+    from autotune import ci
+
+    # The environment `autotune ci` compares (thread count and dtypes included); it hashes the model
+    # files, which for a large checkpoint takes minutes: done once, its digests reused below.
+    fingerprint = ci.fingerprint(engine, model, draft_model, hardware)
     info = {
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "hardware": _plain(hardware),
         "engine": engine, "space": space_source, "workload": workload,
-        "model": model, "model_sha256": _digest(model),
-        "draft_model": draft_model, "draft_model_sha256": _digest(draft_model) if draft_model else None,
+        "model": model, "model_sha256": fingerprint["model_sha256"],
+        "draft_model": draft_model, "draft_model_sha256": fingerprint["draft_model_sha256"],
         "versions": {"autotune": __version__, "optuna": optuna.__version__, "torch": torch.__version__,
                      "cuda": torch.version.cuda, "python": platform.python_version()},
         "host": platform.node(),
+        "fingerprint": fingerprint,
     }
-    from autotune import ci  # the environment fingerprint `autotune ci` compares, thread count and dtypes included
-
-    info["fingerprint"] = ci.fingerprint(engine, model, draft_model, hardware)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2, default=str))
     return info
