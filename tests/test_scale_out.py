@@ -253,12 +253,16 @@ def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(pos
     study = create_study("shared", postgres)
     victim, survivor = (start_worker("shared", postgres, 5, studies) for _ in range(2))
     # Kill the victim (SIGKILL: no chance to clean up) in its second trial, once it has finished one.
+    # It is frozen (SIGSTOP) while its trials are read, so a trial seen running cannot finish before the kill.
     deadline, running = time.monotonic() + 180, []
     while not running and time.monotonic() < deadline and victim.poll() is None:
+        victim.send_signal(signal.SIGSTOP)
         mine = [t for t in study.get_trials() if t.system_attrs.get(parallel.RUNNER, "").endswith(f" {victim.pid}")]
         if any(t.state.is_finished() for t in mine):
             running = [t for t in mine if t.state == TrialState.RUNNING]
-        time.sleep(0.2)
+        if not running:
+            victim.send_signal(signal.SIGCONT)
+            time.sleep(0.2)
     assert running, "the victim never got to a second trial"
     engines = children(victim.pid)
     victim.kill()
