@@ -23,11 +23,11 @@ ALPHA = {(0, 0): 0.9, (0, 1): 0.6, (0, 2): 0.3, (1, 0): 0.8, (1, 1): 0.5, (1, 2)
          (2, 0): 0.7, (2, 1): 0.4, (2, 2): 0.15}  # (band, bucket) -> true per-token acceptance
 
 
-def synthetic_rows(seed=0, requests=20, steps=100, k=6) -> pd.DataFrame:
+def synthetic_rows(seed=0, requests=20, steps=100, k=6, alphas=None) -> pd.DataFrame:
     """Verify steps simulated as the engine runs them: proposals accepted with prob alpha, stop at the first rejection."""
     rng = np.random.default_rng(seed)
     rows = []
-    for (band, bucket), alpha in ALPHA.items():
+    for (band, bucket), alpha in (alphas or ALPHA).items():
         for r in range(requests):
             accepts = [next((n for n in range(k) if rng.random() >= alpha), k) for _ in range(steps)]
             rows.append({"text": PROMPTS[bucket] + " " * r, "temperature": TEMPERATURES[band], "top_p": 1.0,
@@ -83,21 +83,54 @@ def test_standalone_module_and_engine_agree_with_the_fit(fitted, tmp_path):
     assert len(seen) >= 3
 
 
+def load_standalone(directory):
+    spec = importlib.util.spec_from_file_location("standalone", directory / "draft_length_estimator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_k0_where_no_draft_length_pays(tmp_path):
+    """alpha <= c: no k >= 1 has an expected speedup above 1 (k = 0 has exactly 1), so that cell turns
+    speculation off; the standalone module and the engine's reading of estimator.json say the same."""
+    low = {**ALPHA, (2, 1): 0.07, (2, 2): 0.03}  # hot prose and hot free text: the n-grams rarely hold
+    fitted = fit(synthetic_rows(alphas=low), c=C, max_k=8)
+    cells = {(cell["band"], cell["bucket"]): cell for cell in fitted.primary.buckets}
+    for key, cell in cells.items():
+        assert cell["k"] == best_k(low[key], C, 8), cell
+        assert (cell["k"] == 0) == (key in ((2, 1), (2, 2))), cell
+    assert cells[(2, 2)]["expected_speedup"] == 1.0 and cells[(0, 0)]["k"] == 8
+    fitted.write(tmp_path)
+    module, engine = load_standalone(tmp_path), load_estimator(str(tmp_path / "estimator.json"))
+    for prompt, temperature, k in ((PROMPTS[2], 0.9, 0), (PROMPTS[1], 1.0, 0), (PROMPTS[2], 0.3, cells[(1, 2)]["k"]),
+                                   (PROMPTS[0], 0.0, 8)):
+        assert fitted.draft_length(prompt, temperature) == k
+        assert module.estimate_draft_length(prompt, temperature) == k
+        assert engine({"prompt_text": prompt, "temperature": temperature, "top_p": 1.0}) == k
+
+
 @pytest.mark.slow
-def test_engine_applies_the_estimator_per_request(fitted, tmp_path, start_embedded_server):
+def test_engine_applies_the_estimator_per_request(tmp_path, start_embedded_server):
+    fitted = fit(synthetic_rows(alphas={**ALPHA, (2, 2): 0.03}), c=C, max_k=8)  # hot free text: k = 0
     path = fitted.write(tmp_path)
     loop, prose = "1 2 3 4 5 " * 20, PROMPTS[2]
-    assert (fitted.draft_length(loop, 0.0), fitted.draft_length(prose, 0.9)) == (8, 1)
+    assert [fitted.draft_length(p, t) for p, t in ((loop, 0.0), (prose, 0.3), (prose, 0.9))] == [8, 1, 0]
     server = start_embedded_server(drafter="ngram", draft_policy="estimator", draft_estimator=str(path),
                                    max_seq_len=512)
-    usage = {}
-    for name, prompt, temperature in (("loop", loop, 0.0), ("prose", prose, 0.9)):
+
+    def complete(prompt, temperature, **extra):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": temperature, "seed": 1, "ignore_eos": True}
-        usage[name] = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
-    loop_usage, prose_usage = usage["loop"], usage["prose"]
+        return httpx.post(server.url + "/v1/completions", json=body | extra, timeout=120).json()
+
+    loop_usage, prose_usage, plain = (complete(p, t)["usage"] for p, t in ((loop, 0.0), (prose, 0.3), (prose, 0.9)))
     assert loop_usage["spec_draft_tokens"] > 3 * loop_usage["spec_verify_steps"]  # k = 8 on a loop the n-grams match
-    assert prose_usage["spec_draft_tokens"] <= prose_usage["spec_verify_steps"]  # k = 1
+    assert 0 < prose_usage["spec_draft_tokens"] <= prose_usage["spec_verify_steps"]  # k = 1
     assert {"spec_rejections", "spec_draft_seconds", "spec_verify_seconds"} <= set(loop_usage)
+    # k = 0: plain decode for that request (no proposals, one target pass per token)
+    assert plain["spec_draft_tokens"] == 0 and plain["spec_verify_steps"] == plain["completion_tokens"], plain
+    # and never a different greedy output
+    texts = {k: complete(loop[:60] + prose, 0.0, draft_length=k)["choices"][0]["text"] for k in (0, 8)}
+    assert texts[0] == texts[8], texts
 
 
 @pytest.mark.slow
