@@ -23,6 +23,8 @@ import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from collections import Counter
+from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
@@ -385,27 +387,33 @@ def progress(total: int, label: str):
 
 
 def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetitive"), exclude: str = "mixed",
-            ks=(1, 2, 4, 6, 8), temperatures=(0.0, 0.3, 0.7, 1.0), max_tokens: int = 48,
+            ks=(0, 1, 2, 4, 8), temperatures=(0.0, 0.3, 0.7, 1.0), max_tokens: int = 48,
             limit: int | None = None) -> pd.DataFrame:
-    """Rows to fit on, measured here: the workloads' prompts (minus the held-out `exclude` set) at several
-    fixed k (round robin, per-request draft_length) and temperatures, one at a time on a fresh server."""
+    """Rows to fit on, measured here: the workloads' prompts (minus the held-out `exclude` set; the workloads
+    interleaved, so `limit` takes from each) at temperatures round robin, each prompt run at every k in `ks`
+    back to back in rotating order (paired: the same prompt at each k, minutes apart at most), one at a time
+    on a fresh server. k = 0 rows (no speculation) anchor the cost model's step without proposals."""
     import httpx
 
     from autotune.bench import load_workload
 
     held_out = load_workload(exclude).requests if exclude else []
-    todo = requests_of(list(workloads), exclude=held_out, max_tokens=max_tokens, temperatures=temperatures)[:limit]
+    per_workload = [requests_of([name], exclude=held_out, max_tokens=max_tokens) for name in workloads]
+    todo = [r for group in zip_longest(*per_workload) for r in group if r is not None][:limit]
+    for i, r in enumerate(todo):
+        r["temperature"], r["seed"] = temperatures[i % len(temperatures)], i
     render = chat_renderer(config.get("model"))
     rows = []
-    bar, task = progress(len(todo), "collect")
+    bar, task = progress(len(todo) * len(ks), "collect")
     with Server(config, log_dir) as server, httpx.Client(timeout=300) as client, bar:
         for i, request in enumerate(todo):
-            k = ks[i % len(ks)]
-            usage = send(client, server.url, request, draft_length=k)
             text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
-            rows.append({**usage, "text": text, "temperature": request["temperature"],
-                         "top_p": request.get("top_p", 1.0), "k": k})
-            bar.advance(task)
+            turn = i % len(ks)
+            for k in ks[turn:] + ks[:turn]:
+                usage = send(client, server.url, request, draft_length=k)
+                rows.append({**usage, "text": text, "temperature": request["temperature"],
+                             "top_p": request.get("top_p", 1.0), "k": k, "prompt_index": i})
+                bar.advance(task)
     return pd.DataFrame(rows)
 
 
@@ -434,22 +442,31 @@ def fit_from_study(study_dir: str | Path, out: str | Path | None = None, *, coll
 
 # -- evaluation: the estimator against the best single fixed k, same server, interleaved ----------------
 def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixed", fixed: list[int] | None = None,
-             repeats: int = 2, max_tokens: int = 32, limit: int | None = None) -> dict:
+             repeats: int = 2, max_tokens: int = 32, limit: int | None = None, engine: dict | None = None,
+             reference: bool = False) -> dict:
     """Throughput (completion tokens / request seconds, one request at a time) of the estimator policy and of
-    each fixed k on one server; per request the arms run back to back in rotating order, each repeat a full
-    pass. Medians over repeats; greedy (temperature 0) outputs of the estimator and the best fixed k compared."""
-    import statistics
-
+    each fixed k >= 1 on one server; per request the arms run back to back in rotating order, each repeat a
+    full pass. With `reference` (or 0 in `fixed`), k = 0 (speculation off) runs too: reported, never the best
+    fixed arm. An arm's throughput pools all its requests and repeats; the best fixed k is the fixed arm with
+    the highest. Beside that: the median of paired per-request ratios (estimator tok/s / best fixed tok/s on
+    the same request and repeat, run back to back) and a bootstrap 90 % interval of the throughput ratio
+    (requests resampled). Greedy (temperature 0) outputs of every arm are compared with the estimator's.
+    `engine` overrides the estimator file's engine settings (e.g. {"threads": 1})."""
     import httpx
 
     from autotune.embedded.draft_policy import load_estimator
 
     estimate = load_estimator(str(estimator_path))  # the engine's own reading of the file: one-line ValueError
     doc = json.loads(Path(estimator_path).read_text())
-    config = dict(doc.get("engine_config") or {"drafter": "ngram", "draft_length": 4}, draft_policy="fixed")
+    config = dict(doc.get("engine_config") or {"drafter": "ngram", "draft_length": 4}, **(engine or {}),
+                  draft_policy="fixed")
     fixed = fixed or sorted({k for row in doc["k_table"] for k in row} | {config["draft_length"]})
+    reference = reference or 0 in fixed
+    fixed = sorted({k for k in fixed if k >= 1})
+    if not fixed:
+        raise ValueError("give at least one fixed draft length >= 1 to compare with")
     todo = requests_of([workload], max_tokens=max_tokens)[:limit]
-    arms = ["estimator", *(f"k={k}" for k in fixed)]
+    arms = ["estimator", *(f"k={k}" for k in fixed), *(["k=0"] if reference else [])]
     runs = {arm: [] for arm in arms}
     bar, task = progress(len(todo) * len(arms) * repeats, "eval")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -474,41 +491,59 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
         return sum(r["completion_tokens"] for r in results) / sum(
             r["spec_verify_steps"] + doc["c"] * r["spec_draft_tokens"] for r in results)
 
-    medians = {arm: statistics.median(tok_s(rep) for rep in runs[arm]) for arm in arms}
-    best = max(arms[1:], key=medians.get)
+    def pooled(arm, requests=None):
+        picked = range(len(todo)) if requests is None else requests
+        return tok_s([rep[i] for rep in runs[arm] for i in picked])
+
+    speed = {arm: pooled(arm) for arm in arms}
+    best = max((f"k={k}" for k in fixed), key=speed.get)
+    rng = np.random.default_rng(0)
+    boot = sorted(pooled("estimator", idx) / pooled(best, idx)
+                  for idx in (rng.integers(0, len(todo), len(todo)) for _ in range(2000)))
+    paired = [tok_s([rep_e[i]]) / tok_s([rep_b[i]]) for rep_e, rep_b in zip(runs["estimator"], runs[best])
+              for i in range(len(todo))]
     greedy = [i for i, r in enumerate(todo) if r["temperature"] == 0]
-    differ = sorted({i for rep in range(repeats) for i in greedy
-                     if runs["estimator"][rep][i]["output"] != runs[best][rep][i]["output"]})
+    differ = {arm: sorted({i for rep in range(repeats) for i in greedy
+                           if runs["estimator"][rep][i]["output"] != runs[arm][rep][i]["output"]}) for arm in arms[1:]}
     render = chat_renderer(config.get("model"))
     table = {}
     for i, request in enumerate(todo):
         text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
-        mine = [rep[i] for rep in runs["estimator"]]
-        features = {"prompt_entropy": mine[0]["prompt_entropy"] or 0.0, "prompt_text": text,
-                    "prompt_tokens": mine[0]["prompt_tokens"], "prompt_chars": len(text),
+        first = runs["estimator"][0][i]
+        features = {"prompt_entropy": first["prompt_entropy"] or 0.0, "prompt_text": text,
+                    "prompt_tokens": first["prompt_tokens"], "prompt_chars": len(text),
                     "temperature": request["temperature"], "top_p": request.get("top_p", 1.0)}
         value = features[doc["feature"]] if doc["feature"] in features else TEXT_FEATURES[doc["feature"]](text)
         band = int(np.searchsorted(doc["temperature_edges"], request["temperature"], side="left"))
         cell = table.setdefault((band, int(np.searchsorted(doc["thresholds"], value, side="right"))),
-                                {"k": estimate(features), "requests": 0, "mine": [], "best": []})
-        cell["requests"] += 1
-        cell["mine"] += mine
-        cell["best"] += [rep[i] for rep in runs[best]]
+                                {"k": estimate(features), "requests": []})
+        cell["requests"].append(i)
     rows = []
     for (band, bucket), cell in sorted(table.items()):
-        accepted = sum(r["spec_accepted_tokens"] for r in cell["mine"])
-        rejections = sum(r["spec_rejections"] for r in cell["mine"])
-        rows.append({"band": band, "bucket": bucket, "requests": cell["requests"], "k": cell["k"],
-                     "alpha": alpha_mle(accepted, rejections), "estimator_tok_s": tok_s(cell["mine"]),
-                     f"{best}_tok_s": tok_s(cell["best"]), "ratio": tok_s(cell["mine"]) / tok_s(cell["best"]),
-                     "modelled_ratio": modelled(cell["mine"]) / modelled(cell["best"])})
+        idx = cell["requests"]
+        mine = [rep[i] for rep in runs["estimator"] for i in idx]
+        theirs = [rep[i] for rep in runs[best] for i in idx]
+        rows.append({"band": band, "bucket": bucket, "requests": len(idx), "k": cell["k"],
+                     "alpha": alpha_mle(sum(r["spec_accepted_tokens"] for r in mine), sum(r["spec_rejections"] for r in mine)),
+                     "estimator_tok_s": tok_s(mine), f"{best}_tok_s": tok_s(theirs),
+                     **({"k=0_tok_s": pooled("k=0", idx)} if reference else {}),
+                     "ratio": tok_s(mine) / tok_s(theirs),
+                     "paired_median": float(np.median([tok_s([a]) / tok_s([b]) for a, b in zip(mine, theirs)])),
+                     "modelled_ratio": modelled(mine) / modelled(theirs),
+                     "best_fixed_here": max((f"k={k}" for k in fixed), key=lambda arm: pooled(arm, idx))})
     report = {"estimator": str(estimator_path), "workload": workload, "requests": len(todo), "repeats": repeats,
-              "max_tokens": max_tokens, "engine_config": config, "tok_s_median": medians, "best_fixed": best,
-              "gain": medians["estimator"] / medians[best] - 1,
+              "max_tokens": max_tokens, "engine_config": config, "arms": arms, "tok_s": speed, "best_fixed": best,
+              "gain": speed["estimator"] / speed[best] - 1,
+              "gain_interval_90": [boot[int(0.05 * len(boot))] - 1, boot[int(0.95 * len(boot)) - 1] - 1],
+              "paired_ratio_median": float(np.median(paired)),
               "tok_s_per_repeat": {arm: [tok_s(rep) for rep in runs[arm]] for arm in arms},
               "modelled_speed": {arm: modelled([r for rep in runs[arm] for r in rep]) for arm in arms},
-              "greedy_requests": len(greedy), "greedy_outputs_differ": differ, "buckets": rows}
+              "estimator_k_counts": {str(k): n for k, n in sorted(Counter(
+                  cell["k"] for cell in table.values() for _ in cell["requests"]).items())},
+              "greedy_requests": len(greedy), "greedy_outputs_differ": differ[best],
+              "greedy_outputs_differ_any_arm": differ, "buckets": rows}
     (log_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
-    pd.DataFrame([dict(r, arm=arm, repeat=rep, request=i) for arm in arms for rep, results in enumerate(runs[arm])
+    pd.DataFrame([dict(r, arm=arm, repeat=rep, request=i, temperature=todo[i]["temperature"])
+                  for arm in arms for rep, results in enumerate(runs[arm])
                   for i, r in enumerate(results)]).to_parquet(log_dir / "eval-requests.parquet", index=False)
     return report
