@@ -548,7 +548,7 @@ def estimator_eval(
     except KeyboardInterrupt:
         _fail(RuntimeError("interrupted"), 130)
     best = doc["best_fixed"]
-    typer.echo("tok/s (median of repeats): " + ", ".join(f"{a} {v:.2f}" for a, v in doc["tok_s_median"].items()))
+    typer.echo("tok/s (all repeats pooled): " + ", ".join(f"{a} {v:.2f}" for a, v in doc["tok_s"].items()))
     typer.echo("modelled tokens per verify-step time (engine counters, c = fitted): "
                + ", ".join(f"{a} {v:.3f}" for a, v in doc["modelled_speed"].items()))
     typer.echo(f"{'band':>4} {'bucket':>6} {'reqs':>4} {'k':>2} {'alpha':>6} {'estimator':>9} {best:>9} {'ratio':>6} "
@@ -557,7 +557,9 @@ def estimator_eval(
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
         typer.echo(f"{r['band']:>4} {r['bucket']:>6} {r['requests']:>4} {r['k']:>2} {alpha:>6} "
                    f"{r['estimator_tok_s']:>9.2f} {r[best + '_tok_s']:>9.2f} {r['ratio']:>6.3f} {r['modelled_ratio']:>8.3f}")
-    typer.echo(f"estimator vs best fixed ({best}): {doc['gain']:+.1%} over {doc['requests']} requests x {doc['repeats']}")
+    low, high = doc["gain_interval_90"]
+    typer.echo(f"estimator vs best fixed ({best}): {doc['gain']:+.1%} (90% bootstrap {low:+.1%}..{high:+.1%}; median "
+               f"paired per-request ratio {doc['paired_ratio_median']:.3f}) over {doc['requests']} requests x {doc['repeats']}")
     if doc["greedy_outputs_differ"]:
         typer.echo(f"error: greedy outputs differ from {best} on requests {doc['greedy_outputs_differ']}", err=True)
         raise typer.Exit(1)

@@ -1,14 +1,17 @@
 """The draft-length estimator against the best single fixed draft length, on the embedded engine.
 
-    python3 benchmarks/bench_estimator.py [--out DIR] [--rows ROWS.parquet] [--limit 24] [--repeats 2]
-                                          [--max-tokens 32] [--fixed 2,4,6] [--drafter ngram]
+    python3 benchmarks/bench_estimator.py [--out DIR] [--rows ROWS.parquet] [--collect-limit 36]
+        [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--reference]
+        [--threads 1] [--drafter ngram]
 
-1. Fit: a collection pass (code, chat and repetitive prompts not in the held-out set; k 1..8 round robin,
-   temperatures 0..1) on a fresh server, or the rows of an earlier pass (--rows).
+1. Fit: a collection pass (code, chat and repetitive prompts not in the held-out set, interleaved;
+   temperatures 0..1 round robin; each prompt at every k of --ks, back to back) on a fresh server, or
+   the rows of an earlier pass (--rows).
 2. Evaluate on the held-out mixed workload (temperatures 0..1): one server loaded with the estimator;
-   per request the estimator arm and each fixed k run back to back in rotating order; a repeat is a full
-   pass. Prints tok/s medians, the ratio estimator / best fixed k, the per-bucket table and whether the
-   greedy (temperature 0) outputs are identical. Writes DIR/estimator.json, DIR/estimator-eval/eval.json.
+   per request the estimator arm, each fixed k >= 1 and (--reference) k = 0 run back to back in rotating
+   order; a repeat is a full pass. Prints pooled tok/s per arm, estimator / best fixed k with a bootstrap
+   90 % interval, the median paired per-request ratio, the per-bucket table and whether the greedy
+   (temperature 0) outputs are identical. Writes DIR/estimator.json, DIR/estimator-eval/eval.json.
 """
 import argparse
 import json
@@ -19,37 +22,54 @@ import pandas as pd
 from autotune import estimator as est
 
 
+def ints(text: str) -> list[int]:
+    return [int(k) for k in text.split(",")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/estimator", help="where the estimator and results go")
     parser.add_argument("--rows", help="fit on this parquet of a collection pass instead of collecting")
+    parser.add_argument("--estimator", help="evaluate this estimator.json as it is (no collection, no fit)")
     parser.add_argument("--drafter", default="ngram")
-    parser.add_argument("--limit", type=int, default=24, help="held-out requests evaluated")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--fixed", default="2,4,6", help="fixed draft lengths compared")
+    parser.add_argument("--threads", type=int, default=1, help="engine CPU threads (0 = torch's default)")
+    parser.add_argument("--collect-limit", type=int, default=36, help="prompts in the collection pass")
+    parser.add_argument("--ks", default="0,1,2,4,8", help="draft lengths of the collection pass")
+    parser.add_argument("--limit", type=int, default=48, help="held-out requests evaluated")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--fixed", default="1,2,4,8", help="fixed draft lengths (>= 1) compared")
+    parser.add_argument("--reference", action="store_true", help="also run k = 0 (speculation off), reported only")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"drafter": args.drafter, "draft_length": 4}
-    if args.rows:
-        rows = pd.read_parquet(args.rows)
+    engine = {"threads": args.threads} if args.threads else {}
+    config = {"drafter": args.drafter, "draft_length": 4, **engine}
+    if args.estimator:
+        path = Path(args.estimator)
     else:
-        rows = est.collect(config, out)
-        rows.to_parquet(out / "estimator-data.parquet", index=False)
-    fitted = est.fit(rows, source=args.rows or "collection pass")
-    fitted.info["engine_config"] = config
-    path = fitted.write(out)
-    print(f"fitted on {len(rows)} requests: feature {fitted.primary.feature}, c {fitted.c}, "
-          f"k table {fitted.primary.k_table}, quality {json.dumps(fitted.info['feature_quality'])}")
-    doc = est.evaluate(path, out / "estimator-eval", fixed=[int(k) for k in args.fixed.split(",")],
-                       repeats=args.repeats, max_tokens=args.max_tokens, limit=args.limit)
+        if args.rows:
+            rows = pd.read_parquet(args.rows)
+        else:
+            rows = est.collect(config, out, ks=tuple(ints(args.ks)), limit=args.collect_limit)
+            rows.to_parquet(out / "estimator-data.parquet", index=False)
+        fitted = est.fit(rows, source=args.rows or "collection pass")
+        fitted.info["engine_config"] = config
+        path = fitted.write(out)
+        print(f"fitted on {len(rows)} requests: feature {fitted.primary.feature}, c {fitted.c}, "
+              f"k table {fitted.primary.k_table}, quality {json.dumps(fitted.info['feature_quality'])}")
+    doc = est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
+                       max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference)
     best = doc["best_fixed"]
+    print("tok/s pooled:", json.dumps({a: round(v, 3) for a, v in doc["tok_s"].items()}))
     print("tok/s per repeat:", json.dumps({a: [round(v, 2) for v in vs] for a, vs in doc["tok_s_per_repeat"].items()}))
+    print("estimator k used:", doc["estimator_k_counts"])
     print(pd.DataFrame(doc["buckets"]).round(3).to_string(index=False))
-    print(f"estimator / best fixed ({best}): {doc['tok_s_median']['estimator'] / doc['tok_s_median'][best]:.3f} "
-          f"(medians {doc['tok_s_median']['estimator']:.2f} vs {doc['tok_s_median'][best]:.2f} tok/s); "
-          f"greedy outputs differ on {len(doc['greedy_outputs_differ'])} of {doc['greedy_requests']}")
+    low, high = doc["gain_interval_90"]
+    print(f"estimator / best fixed ({best}): {1 + doc['gain']:.3f} (90 % bootstrap {1 + low:.3f}..{1 + high:.3f}; "
+          f"median paired per-request ratio {doc['paired_ratio_median']:.3f}); greedy outputs differ from {best} on "
+          f"{len(doc['greedy_outputs_differ'])} of {doc['greedy_requests']}, from any arm on "
+          f"{len({i for v in doc['greedy_outputs_differ_any_arm'].values() for i in v})}")
 
 
 if __name__ == "__main__":
