@@ -84,12 +84,13 @@ def summary(runs, tokens: int) -> dict:
 
 
 def hf_model(path, dtype, device):
-    """transformers' llama, filled with the engine's own dequantised weights (exactly the same numbers)."""
+    """transformers' llama, filled with the engine's own dequantised weights (exactly the same numbers;
+    with --quantization gguf the engine runs the blocks these were dequantised from)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _, ours, _ = weights.read_gguf(path, 1024)  # checkpoint layout: separate q/k/v and gate/up
+    _, ours, _, _ = weights.read_gguf(path, 1024)  # checkpoint layout: separate q/k/v and gate/up
     to_hf = {v: k for k, v in weights.HF_NAMES.items()}
     to_hf.update({f"layers.{i}.{v}.weight": f"model.layers.{i}.{k}.weight" for k, v in weights.HF_LAYER_NAMES.items()
                   for i in range(config.num_hidden_layers)})
@@ -129,6 +130,8 @@ def main():
     parser.add_argument("--drafters", default="ngram,early_exit,quantized_self")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer (a)")
     parser.add_argument("--compile", default="none", help="none | inductor | aot_eager (the engine side)")
+    parser.add_argument("--quantization", default="none",
+                        help="none | int8 | gguf (the engine side; gguf runs the checkpoint's own Q4_1/Q8_0 blocks)")
     parser.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -138,13 +141,13 @@ def main():
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     torch.set_num_threads(args.threads)
     console = Console()
-    console.print(f"device {args.device}, {dtype}, compile {args.compile}, threads {args.threads}, {tokens} tokens, "
-                  f"median of {repeats}")
+    console.print(f"device {args.device}, {dtype}, compile {args.compile}, quantization {args.quantization}, "
+                  f"threads {args.threads}, {tokens} tokens, median of {repeats}")
 
     # Every engine below serves the same weights: load them once.
     weights.load_model = functools.lru_cache(maxsize=None)(weights.load_model)
     base = dict(threads=args.threads, device=args.device, dtype=dtype, max_seq_len=1024, verify_slots=1, seed=0,
-                compile=args.compile)
+                compile=args.compile, quantization=args.quantization)
     if cuda:
         base["cuda_graph_batch_sizes"] = [1]
     plain_engine = Engine(EngineConfig(drafter="none", **base))

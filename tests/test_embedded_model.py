@@ -2,7 +2,8 @@
 
 Our loader, tokenizer and chat template on the bundled SmolLM2 GGUF must give HF's token ids,
 logits and greedy output; tiny random llama and qwen2 checkpoints written by transformers must load
-through our safetensors path with HF's logits; int8 quantization must keep greedy choices.
+through our safetensors path with HF's logits; int8 quantization must keep greedy choices; the
+GGUF's own blocks run natively must give HF's greedy output too.
 """
 import json
 
@@ -12,7 +13,7 @@ import torch
 
 from autotune.embedded import weights
 from autotune.embedded.model import KVCache
-from autotune.embedded.quantize import Int8Linear, quantize_int8, weight_bytes
+from autotune.embedded.quantize import GGUFLinear, Int8Linear, quantize_gguf, quantize_int8, weight_bytes
 from autotune.embedded.tokenizer import StreamDecoder
 from autotune.embedded.weights import bundled_gguf_path, check_draft_compatible, load_model
 
@@ -97,17 +98,28 @@ def test_bundled_model_metadata(ours):
     assert not ours.model.training and next(ours.model.parameters()).dtype == torch.float32
 
 
+@pytest.fixture(scope="module")
+def native():
+    """The bundled model with every linear layer running the GGUF's own blocks (quantization gguf)."""
+    loaded = load_model()
+    loaded.fp32_bytes = weight_bytes(loaded.model)
+    loaded.swapped = quantize_gguf(loaded.model, loaded.gguf_blocks, torch.device("cpu"), torch.float32)
+    return loaded
+
+
 @pytest.mark.slow
-def test_greedy_output_equals_transformers(ours, hf_model):
+def test_greedy_output_equals_transformers(ours, native, hf_model):
+    """Ours in float32 and ours on the GGUF's own blocks both give transformers' greedy tokens."""
     eos = ours.tokenizer.eos_token_id
     for prompt in (ours.tokenizer.apply_chat_template(CHAT), CODE_PROMPT):
         ids = ours.tokenizer.encode(prompt)
         with torch.inference_mode():
-            mine = greedy(ours.model, ids, 24, eos)
+            mine, on_blocks = greedy(ours.model, ids, 24, eos), greedy(native.model, ids, 24, eos)
             theirs = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=eos,
                                        pad_token_id=eos)[0, len(ids):].tolist()
         assert len(mine) >= 8
         assert mine == theirs, (ours.tokenizer.decode(mine), ours.tokenizer.decode(theirs))
+        assert on_blocks == theirs, (ours.tokenizer.decode(on_blocks), ours.tokenizer.decode(theirs))
 
 
 @pytest.mark.slow
@@ -380,3 +392,39 @@ def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
         a, b = full_logits(ours.model, ids).argmax(-1), full_logits(quantized, ids).argmax(-1)
     agreement = (a == b).float().mean().item()
     assert agreement >= 0.9, agreement
+
+
+# -- the GGUF's own blocks (quantization gguf) -------------------------------------------------------------
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_linear_dequantises_bit_identically_and_matches_a_float_gemm(ggml_type):
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    kind = gguf.GGMLQuantizationType[ggml_type]
+    rng = np.random.default_rng(0)
+    out_features, in_features = 40, 96
+    rows = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
+    bias = torch.randn(out_features)
+    layer = GGUFLinear(int(kind), rows, in_features, bias)
+    reference = torch.from_numpy(dequantize(rows, kind).astype(np.float32))
+    assert torch.equal(layer.dequantized(), reference)  # the very weights every other path uses
+    for m in (1, 2, 3, 5, 7, 16, 17, 40):  # the kernel's 4/2/1-row tiles, and the GEMM path above 16 rows
+        x = torch.randn(2, m, in_features)
+        expected = torch.nn.functional.linear(x, reference, bias)
+        assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), (m, (layer(x) - expected).abs().max())
+
+
+def test_gguf_native_swaps_every_linear_layer_and_halves_the_weights(native):
+    assert native.swapped == native.args.n_layers * 4 + 1  # wqkv, wo, w13, w2 per layer, and the tied head
+    assert isinstance(native.model.output, GGUFLinear) and isinstance(native.model.layers[0].attention.wqkv, GGUFLinear)
+    assert weight_bytes(native.model) * 2 < native.fp32_bytes  # float32 embedding table kept for lookups
+
+
+def test_gguf_native_refuses_what_it_cannot_run(tmp_path, ours):
+    write_tiny_checkpoint(tmp_path, "llama", ours.tokenizer)
+    safetensors = load_model(str(tmp_path))
+    assert safetensors.gguf_blocks is None
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        quantize_gguf(safetensors.model, safetensors.gguf_blocks, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="CPU in float32"):
+        quantize_gguf(ours.model, ours.gguf_blocks, torch.device("cpu"), torch.bfloat16)

@@ -122,6 +122,8 @@ RULES = [  # (engine, violating config, a good neighbour, words the violation mu
     ("embedded", {"drafter": "ngram", "ngram_min": 4, "ngram_max": 2}, {"drafter": "ngram", "ngram_min": 2},
      "ngram_min <= ngram_max"),
     ("embedded", {"dtype": "float8"}, {"dtype": "bfloat16"}, "dtype must be one of"),
+    ("embedded", {"quantization": "gguf", "dtype": "bfloat16"}, {"quantization": "gguf", "dtype": "float32"},
+     "needs dtype float32"),
 ]
 
 

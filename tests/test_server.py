@@ -306,10 +306,22 @@ def test_small_context_caps_max_tokens_and_sigterm_exits_0(start_embedded_server
 
 
 @pytest.mark.slow
+def test_gguf_blocks_server_answers_as_the_float32_one(client, start_embedded_server):
+    """--quantization gguf (the GGUF's own blocks through the C kernel) with n-gram drafting: same greedy text."""
+    server = start_embedded_server(quantization="gguf", drafter="ngram", draft_length=4, verify_slots=2, max_seq_len=1024)
+    body = {"prompt": CODE_PROMPT, "max_tokens": 32, "ignore_eos": True}
+    on_blocks = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    in_float32 = client.post("/v1/completions", json=body).json()
+    assert on_blocks["choices"][0]["text"] == in_float32["choices"][0]["text"]
+    assert on_blocks["usage"]["completion_tokens"] == 32
+
+
+@pytest.mark.slow
 def test_serve_rejects_bad_flags_in_one_line(embedded_server):
     taken = embedded_server.rsplit(":", 1)[1]
     for flags, phrase, code in ((["--cuda-graph-batch-sizes", "1,x"], "cuda-graph", 2), (["--port", "0"], "port", 2),
                                 (["--model", "/nonexistent/model.gguf"], "does not exist", 2),
+                                (["--quantization", "gguf", "--dtype", "bfloat16"], "CPU in float32", 2),
                                 (["--port", taken], "in use", 1)):
         done = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *flags], capture_output=True,
                               text=True, timeout=120, check=False)

@@ -92,8 +92,12 @@ def test_hardware_conditions():
     assert hardware_violations({"tp_size": 3, "tensor_parallel_size": 1}, dataclasses.replace(h100, gpus=h100.gpus * 3),
                                shape) == []
     assert "CUDA" in hardware_violations({"cuda_graph_batch_sizes": [1, 2]}, None, shape)[0]
+    assert "runs on the CPU" in hardware_violations({"quantization": "gguf"}, h100, shape)[0]
+    assert hardware_violations({"quantization": "gguf"}, None, shape) == []
+    assert "gguf" not in restrict_space(load_space("embedded"), h100, shape, None).params["quantization"].choices
     # On a CPU machine the space never offers what cannot run there.
     space = restrict_space(load_space("embedded"), None, shape, draft_model=None)
     assert "draft_model" not in space.params["drafter"].choices
     assert space.params["cuda_graph_batch_sizes"].fixed == []
     assert space.params["compile"].fixed == "none"
+    assert "gguf" in space.params["quantization"].choices

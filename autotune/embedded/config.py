@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 DRAFTERS = ("none", "ngram", "early_exit", "draft_model", "quantized_self")
 DRAFT_POLICIES = ("fixed", "adaptive", "estimator")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "gguf")
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
 
 
@@ -24,7 +24,7 @@ class EngineConfig:
     verify_slots: int = 4  # sequences decoded/verified together per step (continuous batching width)
     prefill_ubatch: int = 256  # prompt tokens per prefill chunk
     dtype: str = "float32"
-    quantization: str = "none"  # weight-only int8 of the target
+    quantization: str = "none"  # of the target: int8 weight-only, or gguf (the GGUF's own blocks, CPU)
     compile: str = "none"
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default

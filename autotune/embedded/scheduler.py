@@ -68,7 +68,7 @@ class Sequence:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        from autotune.embedded.weights import check_draft_compatible, load_model
+        from autotune.embedded.weights import DTYPES as TORCH_DTYPES, check_draft_compatible, load_model
 
         self.config = config
         _validate(config)
@@ -81,12 +81,13 @@ class Engine:
         if config.quantization == "int8":
             from autotune.embedded.quantize import quantize_int8
             target.model = quantize_int8(target.model, copy=False)
+        elif config.quantization == "gguf":
+            from autotune.embedded.quantize import quantize_gguf
+            quantize_gguf(target.model, target.gguf_blocks, self.device, TORCH_DTYPES[config.dtype])
         self.tokenizer, self.model_name, self.vocab_size = target.tokenizer, target.name, target.args.vocab_size
         self.max_seq_len = min(config.max_seq_len, target.args.max_seq_len - headroom)
         graphs = list(config.cuda_graph_batch_sizes) if self.device.type == "cuda" else []
-        slots, cache_len, dtype = config.verify_slots, self.max_seq_len + headroom, target.model.output.weight.dtype
-        if dtype == torch.int8:  # int8 weights keep activations in the configured dtype
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+        slots, cache_len, dtype = config.verify_slots, self.max_seq_len + headroom, TORCH_DTYPES[config.dtype]
 
         def runner(model, args):
             cache = KVCache(args, slots + bool(graphs), cache_len, dtype, self.device)

@@ -22,6 +22,7 @@ from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenize
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ARCHITECTURES = ("llama", "qwen2")
+NATIVE_GGML_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the block formats kernels/gguf_linear.c reads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 GGUF_NAMES = {
@@ -50,6 +51,7 @@ class LoadedModel:
     path: str
     name: str  # what /v1/models lists
     sha256: str | None  # of the GGUF file; None for a safetensors directory
+    gguf_blocks: dict | None = None  # name -> (ggml type, uint8 rows) of a GGUF's natively runnable tensors
 
 
 def bundled_gguf_path() -> Path:
@@ -81,6 +83,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     file = bundled_gguf_path() if path is None else Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(f"model path {file} does not exist")
+    blocks = None
     if file.is_dir():
         args, state, tokenizer = read_hf_dir(file, max_seq_len)
         sha256 = None
@@ -88,12 +91,12 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         sha256 = file_sha256(file)
         if path is None and sha256 != BUNDLED_SHA256:
             raise ValueError(f"the bundled model {file} is corrupt: sha256 {sha256}, expected {BUNDLED_SHA256}")
-        args, state, tokenizer = read_gguf(file, max_seq_len)
+        args, state, tokenizer, blocks = read_gguf(file, max_seq_len)
     else:
         raise ValueError(f"{file} is neither a .gguf file nor a directory with config.json and *.safetensors")
     model = build_model(args, state, DTYPES[dtype], torch.device(device))
     name = file.name if file.is_dir() else file.stem
-    return LoadedModel(model, args, tokenizer, str(file), name, sha256)
+    return LoadedModel(model, args, tokenizer, str(file), name, sha256, blocks)
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -134,7 +137,9 @@ def _skip_init():
 
 
 # -- GGUF -------------------------------------------------------------------------------------------------
-def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tokenizer]:
+def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tokenizer, dict]:
+    """The model's args, float32 state, tokenizer, and the raw block rows (numpy uint8 [out, bytes], views
+    of the mapped file) of each 2-D tensor in a block format quantize.GGUFLinear runs natively."""
     import gguf
     from gguf.quants import dequantize
 
@@ -163,17 +168,24 @@ def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tok
         max_seq_len=_cap(max_seq_len, meta.get(f"{arch}.context_length", 2048)),
         tie_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
     )
-    state = {}
+    state, blocks = {}, {}
     for t in reader.tensors:
         try:
             values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
         except NotImplementedError:
             raise ValueError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which gguf cannot dequantise") from None
         tensor = torch.from_numpy(np.array(values, dtype=np.float32))
+        raw = t.data.reshape(tensor.shape[0], -1) if (
+            tensor.dim() == 2 and int(t.tensor_type) in NATIVE_GGML_TYPES) else None
         if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):
-            tensor = _unpermute(tensor, args.n_heads if ".attn_q." in t.name else args.n_kv_heads)
+            heads = args.n_heads if ".attn_q." in t.name else args.n_kv_heads
+            tensor = _unpermute(tensor, heads)
+            if raw is not None:  # the same permutation of rows; blocks run along a row
+                raw = raw.reshape(heads, -1, 2, raw.shape[1]).swapaxes(1, 2).reshape(raw.shape)
         state[_gguf_name(file, t.name)] = tensor
-    return args, state, tokenizer_from_gguf(meta)
+        if raw is not None:
+            blocks[_gguf_name(file, t.name)] = (int(t.tensor_type), raw)
+    return args, state, tokenizer_from_gguf(meta), blocks
 
 
 def _gguf_name(file: Path, name: str) -> str:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 # group of 128 weights: 0.5 + 4/128 bytes. FP8/int8 per-channel scales are negligible.
 WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "auto": 2,
                 "fp8": 1, "w8a16_fp8": 1, "int8": 1, "w8a8_int8": 1, "awq": 0.53125, "gptq": 0.53125,
-                "int4": 0.53125, "awq_marlin": 0.53125, "gptq_marlin": 0.53125}
+                "int4": 0.53125, "awq_marlin": 0.53125, "gptq_marlin": 0.53125,
+                "gguf": 0.625}  # the embedded engine running a Q4_1 GGUF's blocks: 20 bytes per 32 weights
 # Drafters by family: eagle = a one-layer head on the target's features; mtp = the target's own extra
 # layer; draft = a separate small checkpoint; lookup = n-gram matching in the prompt (no model);
 # early_exit / quantized_self = the embedded engine's self-drafters.

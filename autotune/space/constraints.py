@@ -80,6 +80,8 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None) -> list[str]
             out.append(f"{key}={tp} does not divide the GPU count {gpus}")
         if shape and shape.n_heads % tp:
             out.append(f"{key}={tp} does not divide the model's {shape.n_heads} attention heads")
+    if config.get("quantization") == "gguf" and gpus:
+        out.append("quantization gguf (the embedded engine's GGUF block kernels) runs on the CPU; this machine's engine runs on its GPU")
     if config.get("cuda_graph_batch_sizes") and not gpus:
         out.append("cuda_graph_batch_sizes need a CUDA GPU; this machine has none")
     threads, cores = config.get("threads"), _cpu_cores(hw)
@@ -106,7 +108,8 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
     if "drafter" in params and not draft_model:
         narrow("drafter", choices=[c for c in params["drafter"].choices if c != "draft_model"])
     if "quantization" in params:
-        narrow("quantization", choices=[c for c in params["quantization"].choices if _fp8_allowed(c, _fp8_mode(hw))])
+        narrow("quantization", choices=[c for c in params["quantization"].choices
+                                        if _fp8_allowed(c, _fp8_mode(hw)) and not (c == "gguf" and _gpu_count(hw))])
     if "cuda_graph_batch_sizes" in params and not _gpu_count(hw):
         narrow("cuda_graph_batch_sizes", choices=[[]], fixed=[])
     if "compile" in params and not _gpu_count(hw):
