@@ -13,7 +13,11 @@ Fit, per feature bucket x temperature band:
   c     = marginal cost of one more proposed token over the cost of a step without speculation,
           from the engine's draft + verify seconds per step regressed on k (with several k in the
           data); with one k, draft seconds per proposed token over verify seconds per step.
-  k*    = argmax_k (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)), k up to the largest k measured.
+  cost  = where the data holds k = 0 requests (plain decode) and several k (a collection pass): the
+          measured seconds of a step proposing k over a plain step, per k (step_costs: verify cost is
+          not linear in width on CPU kernels); otherwise 1 + k c.
+  k*    = argmax_k (1 - alpha^(k+1)) / ((1 - alpha) cost(k)), k = 0 included (speedup exactly 1: no
+          speculation for requests where no k pays), k up to the largest k measured.
 Cells with fewer than MIN_TRIALS Bernoulli trials borrow alpha from their bucket (all bands), then
 from all data. Features: the engine's prompt_entropy and the model-free compression_ratio and
 unigram_entropy; the one whose value ranks per-request alpha best (|Spearman|) is chosen, and the
@@ -40,14 +44,18 @@ N_BUCKETS = 3
 COUNTS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Tokens per unit of time relative to no speculation (Leviathan et al.'s formula)."""
+def expected_speedup(alpha: float, k: int, c: float, step_cost: dict[int, float] | None = None) -> float:
+    """Tokens per unit of time relative to no speculation (Leviathan et al.'s formula). A step proposing k
+    tokens costs 1 + k c plain steps, or step_cost[k] where the cost of each k was measured."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (1 + k * c)
+    return tokens / (step_cost[k] if step_cost else 1 + k * c)
 
 
-def best_k(alpha: float, c: float, max_k: int) -> int:
-    return max(range(max_k + 1), key=lambda k: (expected_speedup(alpha, k, c), -k))
+def best_k(alpha: float, c: float, max_k: int, step_cost: dict[int, float] | None = None) -> int:
+    """The k (0 = no speculation: speedup exactly 1) of the highest expected speedup; with measured
+    step costs, among the k measured."""
+    ks = sorted(step_cost) if step_cost else range(max_k + 1)
+    return max(ks, key=lambda k: (expected_speedup(alpha, k, c, step_cost), -k))
 
 
 def alpha_mle(accepted: float, rejections: float) -> float | None:
@@ -121,7 +129,7 @@ class Table:
         return table_k(asdict(self), value, temperature)
 
 
-def fit_table(frame: pd.DataFrame, feature: str, c: float, max_k: int) -> Table:
+def fit_table(frame: pd.DataFrame, feature: str, c: float, max_k: int, step_cost: dict | None = None) -> Table:
     values = frame[feature].astype(float)
     thresholds = sorted({round(float(q), 6) for q in values.quantile(np.arange(1, N_BUCKETS) / N_BUCKETS)})
     bucket = np.searchsorted(thresholds, values, side="right")
@@ -143,12 +151,12 @@ def fit_table(frame: pd.DataFrame, feature: str, c: float, max_k: int) -> Table:
                     break
             alpha = alpha_mle(a, r)
             alpha = 0.0 if alpha is None else alpha
-            k = best_k(alpha, c, max_k)
+            k = best_k(alpha, c, max_k, step_cost)
             row.append(k)
             cells.append({"band": b, "temperature": finite([max(edges[b], 0.0), edges[b + 1]]), "bucket": q,
                           feature: finite([cuts[q], cuts[q + 1]]), "requests": int(((band == b) & (bucket == q)).sum()),
                           "accepted": int(a), "rejections": int(round(r)), "alpha": round(alpha, 4),
-                          "alpha_from": source, "k": k, "expected_speedup": round(expected_speedup(alpha, k, c), 4)})
+                          "alpha_from": source, "k": k, "expected_speedup": round(expected_speedup(alpha, k, c, step_cost), 4)})
         k_table.append(row)
     return Table(feature, thresholds, list(TEMPERATURE_EDGES), k_table, cells)
 
@@ -183,6 +191,31 @@ def draft_cost(frame: pd.DataFrame) -> dict:
         raise ValueError("the request data has one draft length only and no draft/verify times: c cannot be measured")
     return {"c": round(max(c_draft, 1e-3), 5), "c_draft": round(c_draft, 5),
             "c_from": "draft seconds per token / verify seconds per step"}
+
+
+def step_costs(frame: pd.DataFrame) -> dict[int, float] | None:
+    """Seconds of a verify step proposing k tokens over those of a step without proposals, per k measured:
+    from rows at several fixed k including k = 0 (plain steps), with the engine's draft and verify seconds.
+    None without such rows. The cost of a verify pass need not grow linearly in its width (CPU matrix
+    kernels: a 2-token pass can cost far more than 2/1 of a 1-token one, a 5-token pass less than a
+    3-token one), so each k's cost is measured rather than extrapolated from 1 + k c.
+
+    A request at k > 0 mixes steps that proposed (about draft_tokens / k of them: a prompt-lookup match
+    proposes its k tokens) with steps where the drafter found nothing, which cost a plain step."""
+    needed = {"k", "spec_draft_seconds", "spec_verify_seconds"}
+    if not needed <= set(frame) or frame[list(needed)].isna().any().any() or not (frame["k"] == 0).any():
+        return None
+    seconds = frame["spec_draft_seconds"] + frame["spec_verify_seconds"]
+    plain = frame["k"] == 0
+    base = seconds[plain].sum() / frame["spec_verify_steps"][plain].sum()
+    costs = {0: 1.0}
+    for k in sorted(int(k) for k in frame["k"].unique() if k > 0):
+        rows = frame["k"] == k
+        proposing = frame["spec_draft_tokens"][rows].sum() / k
+        if proposing >= 1:
+            plain_steps = frame["spec_verify_steps"][rows].sum() - proposing
+            costs[k] = round(float((seconds[rows].sum() - base * plain_steps) / proposing / base), 4)
+    return costs if len(costs) > 1 else None
 
 
 @dataclass
@@ -224,17 +257,23 @@ def fit(rows: pd.DataFrame, *, c: float | None = None, max_k: int | None = None,
         raise ValueError(f"too little speculation in the data to fit on ({len(frame)} requests with verify steps; "
                          "was the drafter 'none'?)")
     cost = {"c": c, "c_from": "given"} if c is not None else draft_cost(frame)
+    step_cost = None if c is not None else step_costs(frame)
     if max_k is None:  # never extrapolate the cost model past what was measured
         max_k = int(frame["k"].max()) if "k" in frame and frame["k"].notna().any() else 8
+    if step_cost:
+        step_cost = {k: v for k, v in step_cost.items() if k <= max_k}
     quality = feature_quality(frame)
     rank = {n: abs(q["spearman"]) if q["spearman"] is not None else -1.0 for n, q in quality.items()}
     usable = [n for n in CANDIDATES if frame[n].notna().all()]
     primary = max(usable, key=lambda n: rank[n])
     fallback = max(TEXT_FEATURES, key=lambda n: rank[n])
-    tables = {n: fit_table(frame, n, cost["c"], max_k) for n in {primary, fallback}}
+    tables = {n: fit_table(frame, n, cost["c"], max_k, step_cost) for n in {primary, fallback}}
     data_cols = ["text", "temperature", "top_p", *CANDIDATES, *COUNTS, "spec_rejections", "alpha",
                  *[col for col in ("k", "spec_draft_seconds", "spec_verify_seconds") if col in frame]]
-    info = {**{k: v for k, v in cost.items() if k != "c"}, "max_k": max_k, "feature_quality": quality,
+    info = {**{k: v for k, v in cost.items() if k != "c"}, "max_k": max_k,
+            "step_cost": step_cost and {str(k): v for k, v in step_cost.items()},
+            "speedup_model": "tokens per step (alpha) / measured step_cost[k]" if step_cost else
+            "tokens per step (alpha) / (1 + k c)", "feature_quality": quality,
             "fallback_feature": fallback, "source": source, "requests": len(frame),
             "rejections_from": "estimated from accepts per step (the rows lack spec_rejections)"
             if frame.get("rejections_estimated", pd.Series([False])).any() else "counted by the engine",
@@ -388,9 +427,9 @@ def progress(total: int, label: str):
 
 def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetitive"), exclude: str = "mixed",
             ks=(0, 1, 2, 4, 8), temperatures=(0.0, 0.3, 0.7, 1.0), max_tokens: int = 48,
-            limit: int | None = None) -> pd.DataFrame:
+            limit: int | None = None, start: int = 0) -> pd.DataFrame:
     """Rows to fit on, measured here: the workloads' prompts (minus the held-out `exclude` set; the workloads
-    interleaved, so `limit` takes from each) at temperatures round robin, each prompt run at every k in `ks`
+    interleaved, so `limit` takes from each; `start` skips that many, to extend an earlier pass) at temperatures round robin, each prompt run at every k in `ks`
     back to back in rotating order (paired: the same prompt at each k, minutes apart at most), one at a time
     on a fresh server. k = 0 rows (no speculation) anchor the cost model's step without proposals."""
     import httpx
@@ -399,14 +438,16 @@ def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetiti
 
     held_out = load_workload(exclude).requests if exclude else []
     per_workload = [requests_of([name], exclude=held_out, max_tokens=max_tokens) for name in workloads]
-    todo = [r for group in zip_longest(*per_workload) for r in group if r is not None][:limit]
+    todo = [r for group in zip_longest(*per_workload) for r in group if r is not None]
     for i, r in enumerate(todo):
-        r["temperature"], r["seed"] = temperatures[i % len(temperatures)], i
+        r["temperature"], r["seed"], r["index"] = temperatures[i % len(temperatures)], i, i
+    todo = todo[start:][:limit]
     render = chat_renderer(config.get("model"))
     rows = []
     bar, task = progress(len(todo) * len(ks), "collect")
     with Server(config, log_dir) as server, httpx.Client(timeout=300) as client, bar:
-        for i, request in enumerate(todo):
+        for request in todo:
+            i = request.pop("index")
             text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
             turn = i % len(ks)
             for k in ks[turn:] + ks[:turn]:
@@ -443,7 +484,7 @@ def fit_from_study(study_dir: str | Path, out: str | Path | None = None, *, coll
 # -- evaluation: the estimator against the best single fixed k, same server, interleaved ----------------
 def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixed", fixed: list[int] | None = None,
              repeats: int = 2, max_tokens: int = 32, limit: int | None = None, engine: dict | None = None,
-             reference: bool = False) -> dict:
+             reference: bool = False, rotation: int = 0) -> dict:
     """Throughput (completion tokens / request seconds, one request at a time) of the estimator policy and of
     each fixed k >= 1 on one server; per request the arms run back to back in rotating order, each repeat a
     full pass. With `reference` (or 0 in `fixed`), k = 0 (speculation off) runs too: reported, never the best
@@ -451,7 +492,8 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
     the highest. Beside that: the median of paired per-request ratios (estimator tok/s / best fixed tok/s on
     the same request and repeat, run back to back) and a bootstrap 90 % interval of the throughput ratio
     (requests resampled). Greedy (temperature 0) outputs of every arm are compared with the estimator's.
-    `engine` overrides the estimator file's engine settings (e.g. {"threads": 1})."""
+    `engine` overrides the estimator file's engine settings (e.g. {"threads": 1}); `rotation` shifts which
+    arm goes first on each request (a second run with another rotation changes every arm's neighbours)."""
     import httpx
 
     from autotune.embedded.draft_policy import load_estimator
@@ -476,7 +518,7 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
         for rep in range(repeats):
             results = {arm: [] for arm in arms}
             for i, request in enumerate(todo):
-                turn = (i + rep) % len(arms)
+                turn = (i + rep + rotation) % len(arms)
                 for arm in arms[turn:] + arms[:turn]:
                     extra = {} if arm == "estimator" else {"draft_length": int(arm[2:])}
                     results[arm].append(send(client, server.url, request, **extra))
@@ -532,7 +574,7 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
                      "modelled_ratio": modelled(mine) / modelled(theirs),
                      "best_fixed_here": max((f"k={k}" for k in fixed), key=lambda arm: pooled(arm, idx))})
     report = {"estimator": str(estimator_path), "workload": workload, "requests": len(todo), "repeats": repeats,
-              "max_tokens": max_tokens, "engine_config": config, "arms": arms, "tok_s": speed, "best_fixed": best,
+              "max_tokens": max_tokens, "rotation": rotation, "engine_config": config, "arms": arms, "tok_s": speed, "best_fixed": best,
               "gain": speed["estimator"] / speed[best] - 1,
               "gain_interval_90": [boot[int(0.05 * len(boot))] - 1, boot[int(0.95 * len(boot)) - 1] - 1],
               "paired_ratio_median": float(np.median(paired)),

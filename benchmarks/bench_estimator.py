@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_estimator.py [--out DIR] [--rows ROWS.parquet] [--collect-limit 36]
         [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--reference]
-        [--threads 1] [--drafter ngram]
+        [--rotation 0] [--threads 1] [--drafter ngram]
 
 1. Fit: a collection pass (code, chat and repetitive prompts not in the held-out set, interleaved;
    temperatures 0..1 round robin; each prompt at every k of --ks, back to back) on a fresh server, or
@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--fixed", default="1,2,4,8", help="fixed draft lengths (>= 1) compared")
     parser.add_argument("--reference", action="store_true", help="also run k = 0 (speculation off), reported only")
+    parser.add_argument("--rotation", type=int, default=0, help="which arm goes first on the first request")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,8 @@ def main():
         print(f"fitted on {len(rows)} requests: feature {fitted.primary.feature}, c {fitted.c}, "
               f"k table {fitted.primary.k_table}, quality {json.dumps(fitted.info['feature_quality'])}")
     doc = est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
-                       max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference)
+                       max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference,
+                       rotation=args.rotation)
     best = doc["best_fixed"]
     print("tok/s pooled:", json.dumps({a: round(v, 3) for a, v in doc["tok_s"].items()}))
     print("tok/s per repeat:", json.dumps({a: [round(v, 2) for v in vs] for a, vs in doc["tok_s_per_repeat"].items()}))

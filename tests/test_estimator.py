@@ -109,6 +109,39 @@ def test_k0_where_no_draft_length_pays(tmp_path):
         assert engine({"prompt_text": prompt, "temperature": temperature, "top_p": 1.0}) == k
 
 
+def timed_rows(costs: dict, base=0.05, plain_steps=60) -> pd.DataFrame:
+    """synthetic_rows at each k of `costs` (0 = plain decode), with engine draft/verify seconds: a step proposing
+    k tokens costs costs[k] plain steps of `base` seconds; each request also has plain_steps steps where the
+    drafter found nothing (a plain step's cost)."""
+    parts = []
+    for k in costs:
+        part = synthetic_rows(seed=k, requests=6, k=max(k, 1))
+        if k == 0:
+            part = part.assign(spec_draft_tokens=0, spec_accepted_tokens=0, spec_rejections=0)
+        proposing = part["spec_verify_steps"] if k else 0
+        parts.append(part.assign(k=k, spec_verify_steps=part["spec_verify_steps"] + plain_steps,
+                                 spec_draft_seconds=0.0,
+                                 spec_verify_seconds=base * (proposing * costs[k] + plain_steps + (0 if k else 100))))
+    return pd.concat(parts, ignore_index=True)
+
+
+def test_measured_step_costs_choose_k():
+    """With k = 0 rows and several k, each k's step cost is measured (not 1 + k c): on CPU kernels a 2-token
+    verify pass can cost 1.7 plain steps and a 5-token one less than a 3-token one. k follows those costs."""
+    costs = {0: 1.0, 1: 1.7, 2: 2.1, 4: 1.6, 8: 2.0}
+    fitted = fit(timed_rows(costs))
+    assert fitted.info["speedup_model"].endswith("measured step_cost[k]")
+    assert {int(k): v for k, v in fitted.info["step_cost"].items()} == pytest.approx(costs, abs=1e-3)
+    linear = 0
+    for cell in fitted.primary.buckets:
+        assert abs(cell["alpha"] - ALPHA[(cell["band"], cell["bucket"])]) < 0.03, cell
+        assert cell["k"] == best_k(cell["alpha"], fitted.c, 8, costs) and cell["k"] in costs, cell
+        linear += cell["k"] != best_k(cell["alpha"], fitted.c, 8)
+    assert linear >= 3  # the linear model would have chosen otherwise in several cells
+    table = fitted.primary.k_table
+    assert table[0][0] == 8 and table[0][2] == 0 and table[2][2] == 0  # alpha 0.9: long drafts; 0.3, 0.15: none
+
+
 @pytest.mark.slow
 def test_engine_applies_the_estimator_per_request(tmp_path, start_embedded_server):
     fitted = fit(synthetic_rows(alphas={**ALPHA, (2, 2): 0.03}), c=C, max_k=8)  # hot free text: k = 0
