@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from autotune.embedded import weights
+from autotune.embedded import quantize, weights
 from autotune.embedded.model import KVCache
 from autotune.embedded.quantize import GGUFLinear, Int8Linear, quantize_gguf, quantize_int8, weight_bytes
 from autotune.embedded.tokenizer import StreamDecoder
@@ -396,22 +396,26 @@ def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
 
 # -- the GGUF's own blocks (quantization gguf) -------------------------------------------------------------
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_linear_dequantises_bit_identically_and_matches_a_float_gemm(ggml_type):
+def test_gguf_linear_dequantises_bit_identically_and_matches_a_float_gemm(ggml_type, monkeypatch):
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf import quants
 
     kind = gguf.GGMLQuantizationType[ggml_type]
     rng = np.random.default_rng(0)
     out_features, in_features = 40, 96
-    rows = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
+    rows = quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
     bias = torch.randn(out_features)
     layer = GGUFLinear(int(kind), rows, in_features, bias)
-    reference = torch.from_numpy(dequantize(rows, kind).astype(np.float32))
+    reference = torch.from_numpy(quants.dequantize(rows, kind).astype(np.float32))
     assert torch.equal(layer.dequantized(), reference)  # the very weights every other path uses
     for m in (1, 2, 3, 5, 7, 16, 17, 40):  # the kernel's 4/2/1-row tiles, and the GEMM path above 16 rows
         x = torch.randn(2, m, in_features)
         expected = torch.nn.functional.linear(x, reference, bias)
         assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), (m, (layer(x) - expected).abs().max())
+        # The plain-C kernel (CPUs without AVX-512) agrees too.
+        with monkeypatch.context() as patched:
+            patched.setattr(quantize, "_kernel", lambda: quantize.build_kernel(("-mno-avx512f",)))
+            assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), m
 
 
 def test_gguf_native_swaps_every_linear_layer_and_halves_the_weights(native):

@@ -143,13 +143,12 @@ def _half_to_float(raw: np.ndarray) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
 
 
-@cache
-def _kernel() -> ctypes.CDLL:
-    """Build kernels/gguf_linear.c for this CPU once (a second), cached by source and compiler."""
+def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """kernels/gguf_linear.c built for this CPU (a second, once: cached by source, compiler and flags)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("quantization gguf compiles a small C kernel and no C compiler (cc, gcc) was found")
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", *extra_flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
     key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autotune" / "kernels"
     library = cache_dir / f"gguf_linear-{key}.so"
@@ -163,6 +162,11 @@ def _kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    lib.gguf_linear.restype = lib.gguf_dequantize.restype = None
     lib.gguf_dequantize.argtypes = [ctypes.c_int, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
+    lib.gguf_linear.restype = lib.gguf_dequantize.restype = None
     return lib
+
+
+@cache
+def _kernel() -> ctypes.CDLL:
+    return build_kernel()
