@@ -127,7 +127,7 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--repeats", type=int)
-    parser.add_argument("--drafters", default="ngram,early_exit,quantized_self")
+    parser.add_argument("--drafters", default="ngram,early_exit,quantized_self", help="comma-separated; empty: (a) only")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer (a)")
     parser.add_argument("--compile", default="none", help="none | inductor | aot_eager (the engine side)")
     parser.add_argument("--quantization", default="none",
@@ -174,7 +174,8 @@ def main():
     for column in ("workload", "drafter", "k", "tok/s", "vs plain", "accept length", "accept rate", "same tokens"):
         sweep.add_column(column)
     best = {name: ("none", 0, None, 1.0) for name in prompts}
-    for drafter in args.drafters.split(","):
+    drafters = [d for d in args.drafters.split(",") if d]
+    for drafter in drafters:
         engine = Engine(EngineConfig(drafter=drafter, early_exit_layers=6, **base))
         engine.start()
         for name, prompt in prompts.items():
@@ -190,6 +191,8 @@ def main():
                     best[name] = (drafter, k, result, speedup)
         engine.stop()
     plain_engine.stop()
+    if not drafters:
+        return
     console.print(sweep)
 
     table = Table(title="(b) best speculative setting vs plain decode (greedy outputs identical)")
