@@ -396,7 +396,7 @@ def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
 
 # -- the GGUF's own blocks (quantization gguf) -------------------------------------------------------------
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_linear_dequantises_bit_identically_and_matches_a_float_gemm(ggml_type, monkeypatch):
+def test_gguf_linear_keeps_the_weights_bit_identical_and_matches_a_float_gemm(ggml_type, monkeypatch):
     import gguf
     from gguf import quants
 
@@ -407,15 +407,17 @@ def test_gguf_linear_dequantises_bit_identically_and_matches_a_float_gemm(ggml_t
     bias = torch.randn(out_features)
     layer = GGUFLinear(int(kind), rows, in_features, bias)
     reference = torch.from_numpy(quants.dequantize(rows, kind).astype(np.float32))
-    assert torch.equal(layer.dequantized(), reference)  # the very weights every other path uses
-    for m in (1, 2, 3, 5, 7, 16, 17, 40):  # the kernel's 4/2/1-row tiles, and the GEMM path above 16 rows
-        x = torch.randn(2, m, in_features)
-        expected = torch.nn.functional.linear(x, reference, bias)
-        assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), (m, (layer(x) - expected).abs().max())
-        # The plain-C kernel (CPUs without AVX-512) agrees too.
-        with monkeypatch.context() as patched:
-            patched.setattr(quantize, "_kernel", lambda: quantize.build_kernel(("-mno-avx512f",)))
-            assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), m
+    portable = lambda: quantize.build_kernel(("-mno-avx512f",))  # noqa: E731 - the plain-C kernel of other CPUs
+    for kernel in (quantize._kernel, portable):
+        monkeypatch.setattr(quantize, "_kernel", kernel)
+        # One-hot rows read the weights back exactly (w * 1 + 0): the very weights every other path uses.
+        layer.bias = None
+        assert torch.equal(layer(torch.eye(in_features)), reference.T)
+        layer.bias = bias
+        for m in (1, 2, 3, 5, 7, 16, 17, 40):  # the kernel's 4/2/1-row tiles and 16-row tiles of x
+            x = torch.randn(2, m, in_features)
+            expected = torch.nn.functional.linear(x, reference, bias)
+            assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), (m, (layer(x) - expected).abs().max())
 
 
 def test_gguf_native_swaps_every_linear_layer_and_halves_the_weights(native):

@@ -25,7 +25,6 @@ from autotune.embedded.model import Transformer
 KERNEL_SOURCE = Path(__file__).parent / "kernels" / "gguf_linear.c"
 GGML_BLOCKS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}  # ggml type -> name, bytes per 32 weights
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}  # model.py's fused linears, parts in order
-KERNEL_MAX_ROWS = 16  # above this many rows (prefill chunks) dequantising once and a float32 GEMM win
 
 
 class Int8Linear(nn.Module):
@@ -77,7 +76,9 @@ class GGUFLinear(nn.Module):
     """y = x @ W.T + bias with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0), float32 activations, CPU.
 
     The dequantised weights are bit-identical to the gguf package's, the ones every other path of this
-    engine (and transformers' GGUF loader) uses; a decode step just reads 4-7x fewer bytes of them.
+    engine (and transformers' GGUF loader) uses; a decode step just reads 4-7x fewer bytes of them. The
+    kernel also beats a float32 GEMM on prefill-sized inputs (it tiles x to stay in L1), so every input
+    size goes through it.
     """
 
     def __init__(self, ggml_type: int, rows: np.ndarray, in_features: int, bias: Tensor | None):
@@ -90,25 +91,14 @@ class GGUFLinear(nn.Module):
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if name == "Q4_1" else 2:])))
         self.register_buffer("bias", bias)
 
-    def dequantized(self) -> Tensor:
-        w = torch.empty(self.out_features, self.in_features)
-        _kernel().gguf_dequantize(self.ggml_type, self.in_features, *self._blocks(), self.out_features, w.data_ptr(),
-                                  torch.get_num_threads())
-        return w
-
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        if flat.shape[0] > KERNEL_MAX_ROWS:
-            y = F.linear(flat, self.dequantized())
-        else:
-            y = torch.empty(flat.shape[0], self.out_features)
-            _kernel().gguf_linear(self.ggml_type, flat.data_ptr(), flat.shape[0], self.in_features, *self._blocks(),
-                                  self.out_features, y.data_ptr(), torch.get_num_threads())
+        y = torch.empty(flat.shape[0], self.out_features)
+        _kernel().gguf_linear(self.ggml_type, flat.data_ptr(), flat.shape[0], self.in_features, self.qs.data_ptr(),
+                              self.d.data_ptr(), 0 if self.m is None else self.m.data_ptr(), self.out_features,
+                              y.data_ptr(), torch.get_num_threads())
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
-
-    def _blocks(self) -> tuple[int, int, int]:
-        return self.qs.data_ptr(), self.d.data_ptr(), 0 if self.m is None else self.m.data_ptr()
 
 
 def quantize_gguf(model: Transformer, blocks: dict | None, device: torch.device, dtype: torch.dtype) -> int:
@@ -162,8 +152,7 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    lib.gguf_dequantize.argtypes = [ctypes.c_int, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    lib.gguf_linear.restype = lib.gguf_dequantize.restype = None
+    lib.gguf_linear.restype = None
     return lib
 
 

@@ -92,25 +92,19 @@ ROWS_KERNEL(1)
 ROWS_KERNEL(2)
 ROWS_KERNEL(4)
 
+#define ROW_TILE 16  /* rows of x that stay in L1 while every output n runs over them */
+
 void gguf_linear(int type, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                  const float *m, int64_t N, float *y, int threads) {
     const int64_t block_bytes = type == Q8_0 ? 32 : 16;
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
+        const int64_t tile = M - r0 < ROW_TILE ? M - r0 : ROW_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        int64_t r = 0;
-        for (; M - r >= 4; r += 4) rows_4(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
-        for (; M - r >= 2; r += 2) rows_2(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
-        for (; M - r >= 1; r += 1) rows_1(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
+        for (int64_t n = 0; n < N; n++) {
+            int64_t r = r0;
+            for (; r0 + tile - r >= 4; r += 4) rows_4(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
+            for (; r0 + tile - r >= 2; r += 2) rows_2(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
+            for (; r0 + tile - r >= 1; r += 1) rows_1(type, x + r * K, K, qs, d, m, n, N, block_bytes, y + r * N);
+        }
     }
-}
-
-/* out[N, K] = W in float32: for many rows of x (prefill chunks) one dequantisation and a GEMM beat
- * dequantising every block once per row. */
-void gguf_dequantize(int type, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N, float *out,
-                     int threads) {
-    const int64_t nb = K / 32, block_bytes = type == Q8_0 ? 32 : 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < nb; b++)
-            dequant(type, qs + (n * nb + b) * block_bytes, d[n * nb + b], m ? m[n * nb + b] : 0.f, out + n * K + b * 32);
 }
