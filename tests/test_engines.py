@@ -124,6 +124,8 @@ RULES = [  # (engine, violating config, a good neighbour, words the violation mu
     ("embedded", {"dtype": "float8"}, {"dtype": "bfloat16"}, "dtype must be one of"),
     ("embedded", {"quantization": "gguf", "dtype": "bfloat16"}, {"quantization": "gguf", "dtype": "float32"},
      "needs dtype float32"),
+    ("embedded", {"drafter": "quantized_self", "quantization": "int8"}, {"drafter": "quantized_self"},
+     "needs quantization none"),
 ]
 
 

@@ -62,6 +62,8 @@ class EmbeddedAdapter(EngineAdapter):
             out.append(f"need 1 <= ngram_min <= ngram_max, got {c['ngram_min']}..{c['ngram_max']}")
         if c["drafter"] == "draft_model" and has_draft_model is False:
             out.append("drafter draft_model needs a draft model (--draft-model)")
+        if c["drafter"] == "quantized_self" and c["quantization"] != "none":
+            out.append("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")
         if c["quantization"] == "gguf" and (c["dtype"] != "float32" or c["compile"] != "none"):
             out.append("quantization gguf runs the GGUF's blocks in float32, uncompiled: needs dtype float32, compile none")
         if c["draft_policy"] == "estimator" and not c["draft_estimator"]:
