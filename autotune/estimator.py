@@ -526,66 +526,88 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
             for arm in arms:
                 runs[arm].append(results[arm])
 
-    def tok_s(results):
-        return sum(r["completion_tokens"] for r in results) / sum(r["seconds"] for r in results)
-
-    def modelled(results):  # tokens per verify-step time under the fitted cost model: free of machine noise
-        return sum(r["completion_tokens"] for r in results) / sum(
-            r["spec_verify_steps"] + doc["c"] * r["spec_draft_tokens"] for r in results)
-
-    def pooled(arm, requests=None):
-        picked = range(len(todo)) if requests is None else requests
-        return tok_s([rep[i] for rep in runs[arm] for i in picked])
-
-    speed = {arm: pooled(arm) for arm in arms}
-    best = max((f"k={k}" for k in fixed), key=speed.get)
-    rng = np.random.default_rng(0)
-    boot = sorted(pooled("estimator", idx) / pooled(best, idx)
-                  for idx in (rng.integers(0, len(todo), len(todo)) for _ in range(2000)))
-    paired = [tok_s([rep_e[i]]) / tok_s([rep_b[i]]) for rep_e, rep_b in zip(runs["estimator"], runs[best])
-              for i in range(len(todo))]
-    greedy = [i for i, r in enumerate(todo) if r["temperature"] == 0]
-    differ = {arm: sorted({i for rep in range(repeats) for i in greedy
-                           if runs["estimator"][rep][i]["output"] != runs[arm][rep][i]["output"]}) for arm in arms[1:]}
     render = chat_renderer(config.get("model"))
-    table = {}
-    for i, request in enumerate(todo):
-        text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
-        first = runs["estimator"][0][i]
-        features = {"prompt_entropy": first["prompt_entropy"] or 0.0, "prompt_text": text,
-                    "prompt_tokens": first["prompt_tokens"], "prompt_chars": len(text),
-                    "temperature": request["temperature"], "top_p": request.get("top_p", 1.0)}
-        value = features[doc["feature"]] if doc["feature"] in features else TEXT_FEATURES[doc["feature"]](text)
-        band = int(np.searchsorted(doc["temperature_edges"], request["temperature"], side="left"))
-        cell = table.setdefault((band, int(np.searchsorted(doc["thresholds"], value, side="right"))),
-                                {"k": estimate(features), "requests": []})
-        cell["requests"].append(i)
-    rows = []
-    for (band, bucket), cell in sorted(table.items()):
-        idx = cell["requests"]
-        mine = [rep[i] for rep in runs["estimator"] for i in idx]
-        theirs = [rep[i] for rep in runs[best] for i in idx]
-        rows.append({"band": band, "bucket": bucket, "requests": len(idx), "k": cell["k"],
-                     "alpha": alpha_mle(sum(r["spec_accepted_tokens"] for r in mine), sum(r["spec_rejections"] for r in mine)),
-                     "estimator_tok_s": tok_s(mine), f"{best}_tok_s": tok_s(theirs),
-                     **({"k=0_tok_s": pooled("k=0", idx)} if reference else {}),
-                     "ratio": tok_s(mine) / tok_s(theirs),
-                     "paired_median": float(np.median([tok_s([a]) / tok_s([b]) for a, b in zip(mine, theirs)])),
-                     "modelled_ratio": modelled(mine) / modelled(theirs),
-                     "best_fixed_here": max((f"k={k}" for k in fixed), key=lambda arm: pooled(arm, idx))})
+    texts = [render(r["messages"]) if r["api"] == "chat" else r["prompt"] for r in todo]
+    frame = pd.DataFrame([dict(r, arm=arm, repeat=rep, request=i, temperature=todo[i]["temperature"],
+                               top_p=todo[i].get("top_p", 1.0), text=texts[i])
+                          for arm in arms for rep, results in enumerate(runs[arm]) for i, r in enumerate(results)])
     report = {"estimator": str(estimator_path), "workload": workload, "requests": len(todo), "repeats": repeats,
-              "max_tokens": max_tokens, "rotation": rotation, "engine_config": config, "arms": arms, "tok_s": speed, "best_fixed": best,
-              "gain": speed["estimator"] / speed[best] - 1,
-              "gain_interval_90": [boot[int(0.05 * len(boot))] - 1, boot[int(0.95 * len(boot)) - 1] - 1],
-              "paired_ratio_median": float(np.median(paired)),
-              "tok_s_per_repeat": {arm: [tok_s(rep) for rep in runs[arm]] for arm in arms},
-              "modelled_speed": {arm: modelled([r for rep in runs[arm] for r in rep]) for arm in arms},
-              "estimator_k_counts": {str(k): n for k, n in sorted(Counter(
-                  cell["k"] for cell in table.values() for _ in cell["requests"]).items())},
-              "greedy_requests": len(greedy), "greedy_outputs_differ": differ[best],
-              "greedy_outputs_differ_any_arm": differ, "buckets": rows}
+              "max_tokens": max_tokens, "rotation": rotation, "engine_config": config,
+              **summarize(frame, doc, estimate)}
     (log_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
-    pd.DataFrame([dict(r, arm=arm, repeat=rep, request=i, temperature=todo[i]["temperature"])
-                  for arm in arms for rep, results in enumerate(runs[arm])
-                  for i, r in enumerate(results)]).to_parquet(log_dir / "eval-requests.parquet", index=False)
+    frame.to_parquet(log_dir / "eval-requests.parquet", index=False)
     return report
+
+
+def request_cells(frame: pd.DataFrame, doc: dict, estimate) -> dict[int, tuple[int, int, int]]:
+    """request -> (temperature band, feature bucket, the estimator's k), from its estimator-arm row."""
+    cells = {}
+    for row in frame[frame["arm"] == "estimator"].drop_duplicates("request").itertuples():
+        features = {"prompt_entropy": row.prompt_entropy or 0.0, "prompt_text": row.text,
+                    "prompt_tokens": row.prompt_tokens, "prompt_chars": len(row.text),
+                    "temperature": row.temperature, "top_p": getattr(row, "top_p", 1.0)}
+        value = features[doc["feature"]] if doc["feature"] in features else TEXT_FEATURES[doc["feature"]](row.text)
+        cells[row.request] = (int(np.searchsorted(doc["temperature_edges"], row.temperature, side="left")),
+                              int(np.searchsorted(doc["thresholds"], value, side="right")), estimate(features))
+    return cells
+
+
+def summarize(frame: pd.DataFrame, doc: dict, estimate) -> dict:
+    """The comparison from per-request rows (arm, repeat, request, temperature, text, usage, output, seconds),
+    one run's or several runs' pooled (repeat then tells the runs apart)."""
+    arms = list(dict.fromkeys(frame["arm"]))
+    fixed = [arm for arm in arms if arm.startswith("k=") and arm != "k=0"]
+    cells = request_cells(frame, doc, estimate)
+    frame = frame.assign(k=[cells[q][2] if arm == "estimator" else int(arm[2:]) for arm, q in zip(frame["arm"], frame["request"])])
+    step_cost = {int(k): v for k, v in (doc.get("step_cost") or {}).items()}
+
+    def tok_s(rows):
+        return rows["completion_tokens"].sum() / rows["seconds"].sum()
+
+    def modelled(rows):  # tokens per plain-step time under the fitted cost model: free of machine noise
+        if step_cost:  # steps that proposed (about draft_tokens / k) cost step_cost[k], the rest a plain step
+            proposing = rows["spec_draft_tokens"] / rows["k"].clip(lower=1)
+            cost = rows["spec_verify_steps"] - proposing + proposing * rows["k"].map(lambda k: step_cost.get(k, np.nan))
+        else:
+            cost = rows["spec_verify_steps"] + doc["c"] * rows["spec_draft_tokens"]
+        return None if cost.isna().any() else float(rows["completion_tokens"].sum() / cost.sum())  # k not measured
+
+    by_arm = {arm: frame[frame["arm"] == arm] for arm in arms}
+    speed = {arm: tok_s(rows) for arm, rows in by_arm.items()}
+    best = max(fixed, key=speed.get)
+    requests = sorted(cells)
+    per = {arm: rows.groupby("request")[["completion_tokens", "seconds"]].sum() for arm, rows in by_arm.items()}
+    rng = np.random.default_rng(0)
+    boot = []
+    for _ in range(2000):
+        idx = rng.choice(requests, len(requests))
+        mine, theirs = per["estimator"].loc[idx].sum(), per[best].loc[idx].sum()
+        boot.append(mine["completion_tokens"] / mine["seconds"] / (theirs["completion_tokens"] / theirs["seconds"]))
+    boot.sort()
+    pair = by_arm["estimator"].merge(by_arm[best], on=["repeat", "request"], suffixes=("", "_best"))
+    paired = (pair["completion_tokens"] / pair["seconds"]) / (pair["completion_tokens_best"] / pair["seconds_best"])
+    greedy = [q for q in requests if frame[(frame["request"] == q)]["temperature"].iloc[0] == 0]
+    mine_out = by_arm["estimator"].set_index(["repeat", "request"])["output"]
+    differ = {arm: sorted({int(q) for (rep, q), out in by_arm[arm].set_index(["repeat", "request"])["output"].items()
+                           if q in greedy and out != mine_out[(rep, q)]}) for arm in arms[1:]}
+    rows = []
+    for cell in sorted({v[:2] for v in cells.values()}):
+        idx = [q for q, v in cells.items() if v[:2] == cell]
+        part = {arm: rows_[rows_["request"].isin(idx)] for arm, rows_ in by_arm.items()}
+        mine, theirs = part["estimator"], part[best]
+        rows.append({"band": cell[0], "bucket": cell[1], "requests": len(idx), "k": cells[idx[0]][2],
+                     "alpha": alpha_mle(mine["spec_accepted_tokens"].sum(), mine["spec_rejections"].sum()),
+                     "estimator_tok_s": tok_s(mine), f"{best}_tok_s": tok_s(theirs),
+                     **({"k=0_tok_s": tok_s(part["k=0"])} if "k=0" in part else {}),
+                     "ratio": tok_s(mine) / tok_s(theirs),
+                     "paired_median": float(paired[pair["request"].isin(idx)].median()),
+                     "modelled_ratio": modelled(mine) / modelled(theirs) if modelled(theirs) else None,
+                     "best_fixed_here": max(fixed, key=lambda arm: tok_s(part[arm]))})
+    return {"arms": arms, "tok_s": speed, "best_fixed": best, "gain": speed["estimator"] / speed[best] - 1,
+            "gain_interval_90": [boot[int(0.05 * len(boot))] - 1, boot[int(0.95 * len(boot)) - 1] - 1],
+            "paired_ratio_median": float(paired.median()),
+            "tok_s_per_repeat": {arm: [tok_s(g) for _, g in rows_.groupby("repeat")] for arm, rows_ in by_arm.items()},
+            "modelled_speed": {arm: modelled(rows_) for arm, rows_ in by_arm.items()},
+            "estimator_k_counts": {str(k): n for k, n in sorted(Counter(v[2] for v in cells.values()).items())},
+            "greedy_requests": len(greedy), "greedy_outputs_differ": differ[best],
+            "greedy_outputs_differ_any_arm": differ, "buckets": rows}

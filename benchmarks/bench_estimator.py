@@ -3,6 +3,7 @@
     python3 benchmarks/bench_estimator.py [--out DIR] [--rows ROWS.parquet] [--collect-limit 36]
         [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--reference]
         [--rotation 0] [--threads 1] [--drafter ngram]
+    python3 benchmarks/bench_estimator.py --estimator E.json --combine EVAL_DIR [EVAL_DIR ...]
 
 1. Fit: a collection pass (code, chat and repetitive prompts not in the held-out set, interleaved;
    temperatures 0..1 round robin; each prompt at every k of --ks, back to back) on a fresh server, or
@@ -12,6 +13,7 @@
    order; a repeat is a full pass. Prints pooled tok/s per arm, estimator / best fixed k with a bootstrap
    90 % interval, the median paired per-request ratio, the per-bucket table and whether the greedy
    (temperature 0) outputs are identical. Writes DIR/estimator.json, DIR/estimator-eval/eval.json.
+3. --combine: pool several such runs (e.g. the same estimator, another --rotation) into one comparison.
 """
 import argparse
 import json
@@ -41,7 +43,11 @@ def main():
     parser.add_argument("--fixed", default="1,2,4,8", help="fixed draft lengths (>= 1) compared")
     parser.add_argument("--reference", action="store_true", help="also run k = 0 (speculation off), reported only")
     parser.add_argument("--rotation", type=int, default=0, help="which arm goes first on the first request")
+    parser.add_argument("--combine", nargs="+", metavar="EVAL_DIR",
+                        help="pool the eval-requests.parquet of these runs of --estimator (no new measurement)")
     args = parser.parse_args()
+    if args.combine:
+        return show(combine(args.estimator, args.combine))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = {"threads": args.threads} if args.threads else {}
@@ -62,10 +68,29 @@ def main():
     doc = est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
                        max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference,
                        rotation=args.rotation)
+    show(doc)
+
+
+def combine(estimator: str, dirs: list[str]) -> dict:
+    """Several eval runs of one estimator as one: each run's repeats renumbered after the previous run's."""
+    from autotune.embedded.draft_policy import load_estimator
+
+    frames, offset = [], 0
+    for d in dirs:
+        frame = pd.read_parquet(Path(d) / "eval-requests.parquet")
+        frames.append(frame.assign(repeat=frame["repeat"] + offset))
+        offset += frame["repeat"].max() + 1
+    doc = json.loads(Path(estimator).read_text())
+    return {"runs": dirs, **est.summarize(pd.concat(frames, ignore_index=True), doc, load_estimator(estimator))}
+
+
+def show(doc: dict):
     best = doc["best_fixed"]
     print("tok/s pooled:", json.dumps({a: round(v, 3) for a, v in doc["tok_s"].items()}))
     print("tok/s per repeat:", json.dumps({a: [round(v, 2) for v in vs] for a, vs in doc["tok_s_per_repeat"].items()}))
     print("estimator k used:", doc["estimator_k_counts"])
+    print("modelled tokens per plain-step time (engine counters x fitted step costs):",
+          json.dumps({a: v and round(v, 3) for a, v in doc["modelled_speed"].items()}))
     print(pd.DataFrame(doc["buckets"]).round(3).to_string(index=False))
     low, high = doc["gain_interval_90"]
     print(f"estimator / best fixed ({best}): {1 + doc['gain']:.3f} (90 % bootstrap {1 + low:.3f}..{1 + high:.3f}; "

@@ -142,6 +142,27 @@ def test_measured_step_costs_choose_k():
     assert table[0][0] == 8 and table[0][2] == 0 and table[2][2] == 0  # alpha 0.9: long drafts; 0.3, 0.15: none
 
 
+def test_eval_summary_pools_arms_and_never_picks_k0_as_best_fixed(fitted, tmp_path):
+    """The eval's comparison from per-request rows: arms pooled (tokens / seconds), the best fixed arm among
+    k >= 1 even when k = 0 (the reference) is faster, the gain against it, greedy outputs compared."""
+    from autotune.estimator import summarize
+
+    fitted.write(tmp_path)
+    doc = json.loads((tmp_path / "estimator.json").read_text())
+    seconds = {"estimator": 1.0, "k=1": 1.5, "k=4": 1.25, "k=0": 0.9}  # per request, 10 tokens each
+    rows = [{"arm": arm, "repeat": rep, "request": q, "temperature": (0.0, 0.9)[q % 2], "top_p": 1.0,
+             "text": PROMPTS[q % 3], "prompt_entropy": None, "prompt_tokens": 10, "completion_tokens": 10,
+             "seconds": sec * (1 + 0.1 * rep), "output": "x" if (arm, q) != ("k=1", 2) else "y",
+             "spec_verify_steps": 5, "spec_draft_tokens": 4, "spec_accepted_tokens": 2, "spec_rejections": 2}
+            for arm, sec in seconds.items() for rep in range(2) for q in range(6)]
+    out = summarize(pd.DataFrame(rows), doc, load_estimator(str(tmp_path / "estimator.json")))
+    assert out["best_fixed"] == "k=4" and out["tok_s"]["k=0"] > out["tok_s"]["k=4"]
+    assert out["gain"] == pytest.approx(0.25) and out["paired_ratio_median"] == pytest.approx(1.25)
+    assert out["gain_interval_90"] == pytest.approx([0.25, 0.25])
+    assert out["greedy_requests"] == 3 and out["greedy_outputs_differ_any_arm"]["k=1"] == [2]
+    assert out["greedy_outputs_differ"] == [] and sum(r["requests"] for r in out["buckets"]) == 6
+
+
 @pytest.mark.slow
 def test_engine_applies_the_estimator_per_request(tmp_path, start_embedded_server):
     fitted = fit(synthetic_rows(alphas={**ALPHA, (2, 2): 0.03}), c=C, max_k=8)  # hot free text: k = 0
