@@ -147,7 +147,8 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         partial = library.with_suffix(f".{os.getpid()}.tmp")
         built = subprocess.run([compiler, *flags, "-o", str(partial), str(KERNEL_SOURCE)], capture_output=True, text=True)
         if built.returncode != 0:
-            raise RuntimeError(f"building the gguf kernel failed: {built.stderr.strip().splitlines()[-1:]}")
+            last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"building the gguf kernel with {compiler} failed: {last_line}")
         partial.replace(library)  # atomic: concurrent engines never load a half-written library
     lib = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64

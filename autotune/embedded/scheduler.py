@@ -403,6 +403,8 @@ def _validate(config: EngineConfig):
         raise ValueError("verify_slots and prefill_ubatch must be >= 1, max_seq_len >= 2")
     if any(b < 1 for b in config.cuda_graph_batch_sizes):
         raise ValueError("cuda_graph_batch_sizes must be positive")
+    if config.quantization == "gguf" and config.compile != "none":
+        raise ValueError("quantization gguf calls its C kernel outside torch.compile: needs compile none")
     if config.drafter == "quantized_self" and config.quantization != "none":
         raise ValueError("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")
     if config.draft_policy == "estimator" and not config.draft_estimator:
