@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from autotune.embedded.model import ModelArgs, Transformer, rope_tables
+from autotune.embedded.quantize import GGML_BLOCKS
 from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ARCHITECTURES = ("llama", "qwen2")
-NATIVE_GGML_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the block formats kernels/gguf_linear.c reads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 GGUF_NAMES = {
@@ -176,7 +176,7 @@ def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tok
             raise ValueError(f"{file}: tensor {t.name} is {t.tensor_type.name}, which gguf cannot dequantise") from None
         tensor = torch.from_numpy(np.array(values, dtype=np.float32))
         raw = t.data.reshape(tensor.shape[0], -1) if (
-            tensor.dim() == 2 and int(t.tensor_type) in NATIVE_GGML_TYPES) else None
+            tensor.dim() == 2 and int(t.tensor_type) in GGML_BLOCKS) else None
         if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):
             heads = args.n_heads if ".attn_q." in t.name else args.n_kv_heads
             tensor = _unpermute(tensor, heads)
