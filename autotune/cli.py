@@ -325,6 +325,11 @@ def estimate(
 _STUDY_HELP = "study name (under studies/) or its directory"
 
 
+def _number(value: float | None, width: int = 0) -> str:
+    """value to 3 decimals, or '-' where there is none (a modelled speed for a k the fit never measured)."""
+    return ("-" if value is None else f"{value:.3f}").rjust(width)
+
+
 def _fail(e: BaseException, code: int = 2):
     typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
     raise typer.Exit(code)
@@ -550,13 +555,13 @@ def estimator_eval(
     best = doc["best_fixed"]
     typer.echo("tok/s (all repeats pooled): " + ", ".join(f"{a} {v:.2f}" for a, v in doc["tok_s"].items()))
     typer.echo("modelled tokens per verify-step time (engine counters, c = fitted): "
-               + ", ".join(f"{a} {v:.3f}" for a, v in doc["modelled_speed"].items()))
+               + ", ".join(f"{a} {_number(v)}" for a, v in doc["modelled_speed"].items()))
     typer.echo(f"{'band':>4} {'bucket':>6} {'reqs':>4} {'k':>2} {'alpha':>6} {'estimator':>9} {best:>9} {'ratio':>6} "
                f"{'modelled':>8}")
     for r in doc["buckets"]:
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
         typer.echo(f"{r['band']:>4} {r['bucket']:>6} {r['requests']:>4} {r['k']:>2} {alpha:>6} "
-                   f"{r['estimator_tok_s']:>9.2f} {r[best + '_tok_s']:>9.2f} {r['ratio']:>6.3f} {r['modelled_ratio']:>8.3f}")
+                   f"{r['estimator_tok_s']:>9.2f} {r[best + '_tok_s']:>9.2f} {r['ratio']:>6.3f} {_number(r['modelled_ratio'], 8)}")
     low, high = doc["gain_interval_90"]
     typer.echo(f"estimator vs best fixed ({best}): {doc['gain']:+.1%} (90% bootstrap {low:+.1%}..{high:+.1%}; median "
                f"paired per-request ratio {doc['paired_ratio_median']:.3f}) over {doc['requests']} requests x {doc['repeats']}")

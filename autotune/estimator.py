@@ -26,8 +26,8 @@ best model-free one is fitted too as the fallback the standalone module uses.
 import inspect
 import json
 import math
-from dataclasses import asdict, dataclass, field
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
@@ -429,8 +429,8 @@ def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetiti
             ks=(0, 1, 2, 4, 8), temperatures=(0.0, 0.3, 0.7, 1.0), max_tokens: int = 48,
             limit: int | None = None, start: int = 0) -> pd.DataFrame:
     """Rows to fit on, measured here: the workloads' prompts (minus the held-out `exclude` set; the workloads
-    interleaved, so `limit` takes from each; `start` skips that many, to extend an earlier pass) at temperatures round robin, each prompt run at every k in `ks`
-    back to back in rotating order (paired: the same prompt at each k, minutes apart at most), one at a time
+    interleaved, so `limit` takes from each; `start` skips that many, to extend an earlier pass) at
+    temperatures round robin, each prompt run at every k in `ks` back to back in rotating order (paired: the same prompt at each k, minutes apart at most), one at a time
     on a fresh server. k = 0 rows (no speculation) anchor the cost model's step without proposals."""
     import httpx
 
@@ -595,13 +595,14 @@ def summarize(frame: pd.DataFrame, doc: dict, estimate) -> dict:
         idx = [q for q, v in cells.items() if v[:2] == cell]
         part = {arm: rows_[rows_["request"].isin(idx)] for arm, rows_ in by_arm.items()}
         mine, theirs = part["estimator"], part[best]
+        mine_modelled, theirs_modelled = modelled(mine), modelled(theirs)
         rows.append({"band": cell[0], "bucket": cell[1], "requests": len(idx), "k": cells[idx[0]][2],
                      "alpha": alpha_mle(mine["spec_accepted_tokens"].sum(), mine["spec_rejections"].sum()),
                      "estimator_tok_s": tok_s(mine), f"{best}_tok_s": tok_s(theirs),
                      **({"k=0_tok_s": tok_s(part["k=0"])} if "k=0" in part else {}),
                      "ratio": tok_s(mine) / tok_s(theirs),
                      "paired_median": float(paired[pair["request"].isin(idx)].median()),
-                     "modelled_ratio": modelled(mine) / modelled(theirs) if modelled(theirs) else None,
+                     "modelled_ratio": mine_modelled / theirs_modelled if mine_modelled and theirs_modelled else None,
                      "best_fixed_here": max(fixed, key=lambda arm: tok_s(part[arm]))})
     return {"arms": arms, "tok_s": speed, "best_fixed": best, "gain": speed["estimator"] / speed[best] - 1,
             "gain_interval_90": [boot[int(0.05 * len(boot))] - 1, boot[int(0.95 * len(boot)) - 1] - 1],

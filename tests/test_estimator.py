@@ -162,6 +162,12 @@ def test_eval_summary_pools_arms_and_never_picks_k0_as_best_fixed(fitted, tmp_pa
     assert out["greedy_requests"] == 3 and out["greedy_outputs_differ_any_arm"]["k=1"] == [2]
     assert out["greedy_outputs_differ"] == [] and sum(r["requests"] for r in out["buckets"]) == 6
 
+    # Step costs measured at k = 0, 1 and 8 only: no modelled speed for k = 4 (nor ratios against it), not a crash.
+    doc["step_cost"] = {"0": 1.0, "1": 1.3, "8": 2.0}
+    out = summarize(pd.DataFrame(rows), doc, load_estimator(str(tmp_path / "estimator.json")))
+    assert out["modelled_speed"]["k=4"] is None and out["modelled_speed"]["k=1"] > 0
+    assert all(r["modelled_ratio"] is None for r in out["buckets"])
+
 
 @pytest.mark.slow
 def test_engine_applies_the_estimator_per_request(tmp_path, start_embedded_server):
