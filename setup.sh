@@ -5,15 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 extras=""
+missing=""
+# The GGUF-block kernel (autotune/embedded/kernels/) is compiled on first use: a C compiler.
+command -v cc >/dev/null || command -v gcc >/dev/null || missing="$missing gcc libc6-dev"
 if [ "${1:-}" = dev ]; then
   extras="[dev]"
+  command -v chromium >/dev/null || missing="$missing chromium"
+  command -v pg_ctlcluster >/dev/null || missing="$missing postgresql"
+fi
+if [ -n "$missing" ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    missing=""
-    command -v chromium >/dev/null || missing="$missing chromium"
-    command -v pg_ctlcluster >/dev/null || missing="$missing postgresql"
-    if [ -n "$missing" ]; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
-    fi
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+  else
+    echo "setup.sh: please install:$missing" >&2
   fi
 fi
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".${extras}"

@@ -321,7 +321,7 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                              max_tokens=s.get("max_tokens"), seed=s.get("seed", 0),
                              space=str(narrowing), studies_root=str(ctx.directory / "ci"), live=console is not None)
     plan = driver.plan(opts)
-    study, _ = storage.open_study(name, plan.storage, objectives.directions(opts.objective),
+    study, _ = storage.open_study(name, plan.storage, objectives.metrics(opts.objective),
                                   objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
     exported = json.loads((ctx.best_dir / "launch.json").read_text()).get("config") \
         if (ctx.best_dir / "launch.json").exists() else None

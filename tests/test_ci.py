@@ -85,7 +85,8 @@ def test_changed_thread_count_relaunches_and_refreshes_provenance(study):
 @pytest.mark.slow
 def test_regression_retunes_warm_started_and_exits_1_with_a_summary(study):
     before = json.loads((study / "best" / "launch.json").read_text())
-    edit(study / "provenance.json", lambda p: p["fingerprint"].update(fast_dtypes=["bfloat16", "float16"]))
+    # A dtype no torch knows: no machine's fingerprint can match what is recorded.
+    edit(study / "provenance.json", lambda p: p["fingerprint"].update(fast_dtypes=["no-such-dtype"]))
     edit(study / "best" / "validation.json", lambda v: v["winner"]["stats"]["output_tok_s"].update(median=1e6))
     # A configuration that crashed under the old environment: the re-tune must not launch it again.
     source = optuna.load_study(study_name=NAME, storage=f"sqlite:///{study / 'study.db'}")

@@ -10,6 +10,7 @@ import time
 import optuna
 import pandas as pd
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from autotune.engines.embedded import EmbeddedAdapter
@@ -222,3 +223,22 @@ def test_sigint_stops_after_current_trial(tmp_path):
     assert len(finished) == 1 and finished[0].user_attrs["status"] == "ok"  # that trial ran to the end
     assert not any(t.state == TrialState.RUNNING for t in trials)
     assert proc.returncode == 0 and (tmp_path / "interrupted" / "trials.parquet").exists()
+
+
+@pytest.mark.slow
+def test_queued_seeds_the_run_never_reached_are_closed_then_requeued_on_resume(studies, tmp_path):
+    space = yaml.safe_load(open(driver.load_space("embedded").source))
+    space["seeds"] = [{"drafter": "ngram", "draft_length": k} for k in (3, 5, 7)]
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space, sort_keys=False))
+    opts = driver.RunOptions(trials=1, study="queued", space=str(path), sets=ONE_SERVER, **SMALL)
+    outcome = driver.run_study(driver.plan(opts))
+    study = optuna.load_study(study_name="queued", storage=outcome.storage)
+    assert study.metric_names == ["output_tok_s"]  # named in the storage, for the optuna CLI and dashboards
+    assert not [t for t in study.trials if t.state == TrialState.WAITING]
+    not_run = [t.user_attrs["seed_config"]["draft_length"] for t in study.trials if t.user_attrs.get("status") == "not_run"]
+    assert not_run == [5, 7]
+    resumed = driver.run_study(driver.plan(driver.RunOptions(**{**opts.__dict__, "resume": True, "trials": 2})))
+    after = trials_of(resumed)
+    measured = [t.user_attrs["config"]["draft_length"] for t in after if t.user_attrs.get("status") == "ok"]
+    assert measured == [3, 5]  # the resumed run measured the first seed it had not reached

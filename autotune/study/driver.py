@@ -262,7 +262,7 @@ def run_study(p: Plan, console=None) -> Outcome:
     opts = p.opts
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
-    study, stale = storage.open_study(p.name, p.storage, objectives.directions(opts.objective), sampler,
+    study, stale = storage.open_study(p.name, p.storage, objectives.metrics(opts.objective), sampler,
                                       objectives.make_pruner(opts.objective), opts.resume)
     (p.directory / "logs").mkdir(parents=True, exist_ok=True)
     storage.write_provenance(p.directory / "provenance.json", hardware=p.hardware, engine=opts.engine,
@@ -274,9 +274,12 @@ def run_study(p: Plan, console=None) -> Outcome:
         study.set_user_attr(name, getattr(opts, name))
     study.set_user_attr("run_options", _json_ready({**opts.__dict__, "parallel": 1}))  # what `autotune worker` runs
     defaults = p.space.defaults()
-    if not opts.resume:
-        for config in p.space.seed_configs():
-            study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
+    # Seeds first; on resume, only those an earlier run ended before reaching (status not_run).
+    seeds = p.space.seed_configs() if not opts.resume else [
+        t.user_attrs["seed_config"] for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if t.user_attrs.get("status") == "not_run" and "seed_config" in t.user_attrs]
+    for config in seeds:
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
     for config, prediction in predicted_configs(p, study):
         study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
     servers = Servers(p) if opts.parallel == 1 else Fleet(p)
@@ -313,6 +316,7 @@ def run_study(p: Plan, console=None) -> Outcome:
                 study.tell(trial, state=TrialState.FAIL)
         finally:
             servers.stop()
+            storage.fail_waiting(study, "the run ended (trial count, budget, Ctrl-C) before this queued trial")
             launches_saved = int(study.user_attrs.get("launches_saved", 0)) + servers.saved
             study.set_user_attr("launches_saved", launches_saved)
             study.set_user_attr("launches", int(study.user_attrs.get("launches", 0)) + servers.launches)

@@ -27,12 +27,14 @@ def default_storage(name: str, root: Path | None = None) -> str:
     return f"sqlite:///{study_dir(name, root) / 'study.db'}"
 
 
-def open_study(name: str, storage: str, directions: list[str], sampler, pruner, resume: bool) -> tuple[optuna.Study, int]:
+def open_study(name: str, storage: str, metrics: list[tuple[str, str]], sampler, pruner,
+               resume: bool) -> tuple[optuna.Study, int]:
     """Create the study, or continue it with `resume`; returns (study, trials marked failed as stale).
 
     A run killed mid-trial leaves that trial RUNNING forever; on resume it is marked FAIL with the
     reason, so the sampler and the tables do not wait on it. Only trials whose runner is gone: with a
-    shared storage other workers' live trials are left alone (autotune/study/parallel.py)."""
+    shared storage other workers' live trials are left alone (autotune/study/parallel.py).
+    `metrics`: [(summary metric, direction)]; the names are stored with the study (dashboards show them)."""
     from autotune.study.parallel import fail_stale, open_storage
 
     if storage.startswith("sqlite:///"):
@@ -46,11 +48,26 @@ def open_study(name: str, storage: str, directions: list[str], sampler, pruner, 
         raise StudyError(f"study {name!r} already exists in {storage}; add --resume to continue it or pick another --study")
     if name not in existing and resume:
         raise StudyError(f"no study {name!r} in {storage} to resume")
+    directions = [d for _, d in metrics]
     study = optuna.create_study(storage=backend, study_name=name, directions=directions, sampler=sampler,
                                 pruner=pruner, load_if_exists=resume)
     if [d.name.lower() for d in study.directions] != directions:
         raise StudyError(f"study {name!r} was created with other objectives; resume it with the same --objective")
+    if study.metric_names is None:
+        study.set_metric_names([n for n, _ in metrics])
     return study, fail_stale(study, resume=True)
+
+
+def fail_waiting(study: optuna.Study, reason: str) -> int:
+    """Queued trials the run ended before reaching are closed as FAIL with status not_run, so the storage
+    holds no WAITING trials nobody will run; `--resume` queues their seed configs again."""
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    for _ in waiting:
+        trial = study.ask()  # takes the oldest WAITING trial
+        trial.set_user_attr("status", "not_run")
+        trial.set_user_attr("failure", reason)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return len(waiting)
 
 
 def write_trials(study: optuna.Study, path: Path) -> None:
