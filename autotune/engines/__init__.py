@@ -1,23 +1,22 @@
-"""Engine adapters: turn a configuration into a launch command and know each engine's rules.
-
-`get_adapter(name)` -> EngineAdapter (autotune/engines/base.py); launching lives in launcher.py.
+"""Engine adapters, one module each, behind one registry: `get_adapter(name)` -> EngineAdapter
+(autotune/engines/base.py). An engine is its adapter module, its search space
+(search_spaces/<name>.yaml) and its flag schema (autotune/engines/schemas/); launching lives in launcher.py.
 """
+import importlib
+
 from autotune.engines.base import EngineAdapter
 
-ENGINES = ("embedded", "sglang", "vllm")
+# name -> "module:class"; imported on first use (an adapter may pull in its engine's dependencies).
+REGISTRY = {
+    "embedded": "autotune.engines.embedded:EmbeddedAdapter",
+    "sglang": "autotune.engines.sglang:SGLangAdapter",
+    "vllm": "autotune.engines.vllm:VLLMAdapter",
+}
+ENGINES = tuple(REGISTRY)
 
 
 def get_adapter(name: str) -> EngineAdapter:
-    if name == "embedded":
-        from autotune.engines.embedded import EmbeddedAdapter
-
-        return EmbeddedAdapter()
-    if name == "sglang":
-        from autotune.engines.sglang import SGLangAdapter
-
-        return SGLangAdapter()
-    if name == "vllm":
-        from autotune.engines.vllm import VLLMAdapter
-
-        return VLLMAdapter()
-    raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+    if name not in REGISTRY:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -4,6 +4,7 @@ import difflib
 import functools
 import importlib.util
 import json
+from importlib import metadata
 import re
 import subprocess
 import sys
@@ -162,12 +163,53 @@ def config_args(config: dict, schema: dict) -> list[str]:
 
 
 class EngineAdapter:
-    """Config dict -> how to launch the engine, and what it would really run. See the engine modules."""
+    """Everything autotune knows of one engine: how to launch a config, its rules, what it would really
+    run, and the facts the tuner, validation, export, report and ci need. Nothing outside
+    autotune/engines/ branches on an engine's name: it reads these attributes. See the engine modules."""
 
     name = ""
     version = ""  # of the captured flag schema
     runtime_params: frozenset[str] = frozenset()
     entry: tuple[str, ...] = ()  # argv before the engine's own arguments, e.g. [python, -m, module]
+    # export: where launch.sh listens unless PORT says otherwise; the docker image ("{version}" filled
+    # in) and the argv inside it before the engine's arguments; how the engine reads best/config.yaml.
+    default_port = 8000
+    image: str | None = None
+    image_command: tuple[str, ...] = ()
+    config_file_use: str | None = None
+    # validate: settings that change what the model computes (with the baseline's values, greedy output
+    # must match), and the config update that turns speculation off (the baseline).
+    numerics: tuple[str, ...] = ()
+    speculation_off: dict = {}
+    # report: (config key naming the drafter, config key of its draft length).
+    draft_keys: tuple[str | None, str | None] = (None, None)
+    # the tuner: per-trial load and budget when the user gives none; validation size after `autotune run`
+    # (empty: validate's own); the server's sampling where a request leaves it out.
+    default_load = {"concurrency": 32, "num_requests": 128, "max_tokens": 256}
+    default_budget_s: float | None = None
+    finish_validation: dict = {}
+    sampling_defaults = {"temperature": 1.0, "top_p": 1.0}
+    # bench: acceptance on /metrics, as (verify steps, draft tokens, accepted tokens) counters or
+    # (accept length, accept rate) gauges.
+    spec_counters: tuple[str, str, str] | None = None
+    spec_gauges: tuple[str, str] | None = None
+    # ci: host facts beyond GPUs, driver and versions that decide this engine's speed (a CPU engine's
+    # CPU model, thread count and native dtypes).
+    fingerprint_keys: tuple[str, ...] = ()
+
+    def installed(self) -> bool:
+        """Whether this machine can launch the engine at all."""
+        return importlib.util.find_spec(self.name) is not None
+
+    def installed_version(self) -> str | None:
+        try:
+            return metadata.version(self.name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    def portable_model(self, model: str | None) -> str | None:
+        """The model argument an exported script should carry (the embedded engine's bundled model: none)."""
+        return model
 
     def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str, port: int,
                 extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:

@@ -7,10 +7,13 @@ kebab-case. Metrics are `autotune_*` on /metrics (autotune/embedded/metrics.py).
 import dataclasses
 import sys
 import types
+from pathlib import Path
 
 import httpx
 
+from autotune import __version__
 from autotune.embedded import config as engine_config
+from autotune.embedded.weights import bundled_gguf_path
 from autotune.engines.base import EngineAdapter, schema_errors
 
 CHOICES = {"drafter": engine_config.DRAFTERS, "draft_policy": engine_config.DRAFT_POLICIES,
@@ -40,6 +43,32 @@ class EmbeddedAdapter(EngineAdapter):
     name = "embedded"
     runtime_params = frozenset({"draft_length", "draft_policy", "ngram_min", "ngram_max"})
     entry = (sys.executable, "-m", "autotune.cli", "serve")
+    default_port = 30000
+    numerics = ("dtype", "quantization", "compile")
+    speculation_off = {"drafter": "none"}
+    draft_keys = ("drafter", "draft_length")
+    # Small for a CPU: a trial is about half a minute, so the default study (11 min, then validation of
+    # the top 2 twice and the report) ends in about 15 minutes on a small machine.
+    default_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 48}
+    default_budget_s = 11 * 60
+    finish_validation = {"top": 2, "repeats": 2}
+    sampling_defaults = {"temperature": 0.0, "top_p": 1.0}
+    spec_counters = ("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
+                     "autotune_spec_accepted_tokens_total")
+    fingerprint_keys = ("cpu", "torch_threads", "fast_dtypes")
+
+    def installed(self):
+        return True  # it ships inside autotune
+
+    def installed_version(self):
+        return __version__
+
+    def portable_model(self, model):
+        """`autotune serve` finds the bundled model itself: the exported script stays portable."""
+        try:
+            return None if model and Path(model).resolve() == bundled_gguf_path().resolve() else model
+        except Exception:  # noqa: BLE001 - no bundled model installed: keep the path as given
+            return model
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         unknown = set(config) - set(DEFAULTS)

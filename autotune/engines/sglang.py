@@ -26,6 +26,14 @@ class SGLangAdapter(EngineAdapter):
     name = "sglang"
     version = "0.5.23"
     entry = (sys.executable, "-m", "sglang.launch_server")
+    default_port = 30000
+    image = "lmsysorg/sglang:v{version}"
+    image_command = ("python3", "-m", "sglang.launch_server")
+    config_file_use = "python -m sglang.launch_server --config best/config.yaml --host 127.0.0.1 --port 30000"
+    numerics = ("dtype", "quantization", "kv_cache_dtype", "enable_torch_compile")
+    speculation_off = {"speculative_algorithm": None}
+    draft_keys = ("speculative_algorithm", "speculative_num_draft_tokens")
+    spec_gauges = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, env = dict(config), {}

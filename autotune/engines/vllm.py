@@ -21,6 +21,13 @@ class VLLMAdapter(EngineAdapter):
     name = "vllm"
     version = "0.33.0"
     entry = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
+    image = "vllm/vllm-openai:v{version}"
+    config_file_use = "vllm serve --config best/config.yaml --host 127.0.0.1 --port 8000"
+    numerics = ("dtype", "quantization", "kv_cache_dtype")
+    speculation_off = {"speculative_method": None}
+    draft_keys = ("speculative_method", "num_speculative_tokens")
+    spec_counters = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                     "vllm:spec_decode_num_accepted_tokens_total")
 
     def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
         method = config.get("speculative_method")
