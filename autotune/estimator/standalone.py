@@ -1,0 +1,47 @@
+"""draft_length_estimator.py: the fitted model-free table as a module with no dependencies.
+
+It copies the engine's own feature function and table lookup (inspect.getsource), so the module, the
+engine and the fit give the same k; the only imports it writes are stdlib ones.
+"""
+import inspect
+import json
+
+from autotune.embedded.draft_policy import TEXT_FEATURES, compression_ratio, table_k, unigram_entropy
+
+# the stdlib imports each copied feature function needs
+IMPORTS = {compression_ratio: "import zlib", unigram_entropy: "import math\nimport re"}
+
+
+def standalone_module(fallback: dict, primary_feature: str, c: float) -> str:
+    """The module's source: `fallback` is the fitted model-free table (Table as a dict), `primary_feature`
+    the feature estimator.json keys on, c the fitted draft cost."""
+    table = {k: fallback[k] for k in ("feature", "thresholds", "temperature_edges", "k_table")}
+    fn = TEXT_FEATURES[table["feature"]]
+    note = ("" if primary_feature == table["feature"] else
+            f"\nThe engine-side estimator.json keys on {primary_feature} (the model's prompt entropy); this module "
+            f"cannot compute\nthat, so it uses the fitted model-free fallback {table['feature']}.\n")
+    return f'''"""Draft length per request, fitted by `autotune estimator fit` (no dependencies: copy it anywhere).
+
+    estimate_draft_length(prompt, temperature=0.0, top_p=1.0) -> k
+
+prompt: the text the model is given (for chat requests, after the chat template).
+Feature: {table["feature"]} of the prompt; k from its bucket in the temperature's band; c = {c}.
+{note}"""
+import bisect
+{IMPORTS[fn]}
+
+TABLE = {json.dumps(table)}
+
+
+{inspect.getsource(fn)}
+
+{inspect.getsource(table_k)}
+
+def estimate_draft_length(prompt: str, temperature: float = 0.0, top_p: float = 1.0) -> int:
+    return table_k(TABLE, {fn.__name__}(prompt), temperature)
+
+
+def draft_length(features: dict) -> int:
+    """The embedded engine's Python-estimator hook (`autotune serve --draft-estimator this.py`)."""
+    return estimate_draft_length(features.get("prompt_text") or "", features["temperature"], features["top_p"])
+'''
