@@ -3,6 +3,13 @@
 The server gets its own process group (engines fork workers: tokenizer, detokenizer, TP ranks), so
 stopping it signals the whole group: SIGTERM, a grace period, then SIGKILL. Never a shell: argv goes
 straight to exec. Output goes to one log file per launch, which is also what failures are read from.
+
+Ports: `free_port()` keeps the port it picks bound (not listening) in this process until the server
+meant for it is up, so no other process's bind(0) or outgoing connection can take it in between (a
+per-process list could not stop another tuner, or another test run, on the same machine). Servers
+bind with SO_REUSEADDR or SO_REUSEPORT (uvicorn, http.server, cpp-httplib, PostgreSQL all do), which
+such a held port allows. A server that binds without it, or a port someone else took, ends in "address already in
+use": the launcher gives the port up and launches again.
 """
 import ctypes
 import os
@@ -12,8 +19,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -22,6 +31,11 @@ OOM_PATTERNS = re.compile(
     r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|std::bad_alloc|"
     r"^Killed\s*$|MemoryError", re.IGNORECASE | re.MULTILINE)
 KILLED_EXIT_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # the kernel OOM killer's signature
+# The port was taken: Python (uvicorn, vLLM, SGLang), C (strerror), cpp-httplib (llama.cpp), Rust (TGI).
+ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|\[Errno 98\]|couldn't bind|could not bind|"
+                            r"os error 98", re.IGNORECASE)
+PORT_RETRIES = 2  # launches again after "address already in use", with the port given up by this process
+HOLD_MAX_S = 3600.0  # a held port nobody launched on is given up after this long (no descriptor leak)
 
 
 class LaunchError(Exception):
@@ -32,11 +46,35 @@ class LaunchError(Exception):
         self.kind, self.message, self.log_tail, self.argv = kind, message, log_tail, argv
 
 
+_held: dict[int, tuple[socket.socket, float]] = {}  # port -> (its bound socket, when it was picked)
+_held_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on (the OS picks it), held by this process until `release_port(port)`:
+    a Launcher whose health URL names the port releases it once its server is up, or has failed."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the server's own SO_REUSEADDR bind may share it
+    if hasattr(socket, "SO_REUSEPORT"):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # so may a SO_REUSEPORT one (cpp-httplib)
+    s.bind((host, 0))
+    port = s.getsockname()[1]
+    with _held_lock:
+        now = time.monotonic()
+        for stale in [p for p, (_, since) in _held.items() if now - since > HOLD_MAX_S]:
+            _held.pop(stale)[0].close()
+        _held[port] = (s, now)
+    return port
+
+
+def release_port(port: int | None) -> bool:
+    """Stop holding a port free_port() gave (its server listens now, or never will); False if not held."""
+    with _held_lock:
+        entry = _held.pop(port, None)
+    if entry is None:
+        return False
+    entry[0].close()
+    return True
 
 
 class Launcher:
@@ -54,9 +92,42 @@ class Launcher:
         self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def port(self) -> int | None:
+        """The port the health URL names (the one the server is to listen on)."""
+        try:
+            return urlsplit(self.health_url).port
+        except ValueError:
+            return None
+
     def start(self, timeout: float = 600.0, poll_s: float = 0.25) -> None:
+        """Launch and wait for health; a server that exits with "address already in use" is launched
+        again (PORT_RETRIES times) once this process has let go of the port (free_port holds it)."""
+        deadline = time.monotonic() + timeout
+        try:
+            for attempt in range(PORT_RETRIES + 1):
+                log_start = self._spawn()
+                try:
+                    return self._wait_ready(deadline, timeout, poll_s)
+                except LaunchError as failure:
+                    if failure.kind != "crash" or not ADDRESS_IN_USE.search(self._log_since(log_start)):
+                        raise
+                    self.stop()  # whatever the dead server had forked
+                    released = release_port(self.port)
+                    if attempt == PORT_RETRIES:
+                        raise LaunchError("crash", f"port {self.port} already in use ({attempt + 1} launches): "
+                                          f"{failure.message}", failure.log_tail, self.argv) from None
+                    if not released:
+                        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))  # someone else's: it may go
+        finally:
+            release_port(self.port)  # the server listens now (or never will): nothing left to hold
+
+    def _spawn(self) -> int:
+        """Start the process; the log's size before this launch (its output starts there)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._stopping = False
         with open(self.log_path, "ab") as log:
+            start = log.tell()
             log.write(f"$ {shlex.join(self.argv)}\n".encode())
             log.flush()
             try:
@@ -65,7 +136,9 @@ class Launcher:
                                              preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call
             except OSError as e:  # no such executable, not executable, ...
                 raise LaunchError("crash", f"cannot start {self.argv[0]}: {e}", argv=self.argv) from None
-        deadline = time.monotonic() + timeout
+        return start
+
+    def _wait_ready(self, deadline: float, timeout: float, poll_s: float) -> None:
         with httpx.Client(timeout=2.0) as client:
             while True:
                 failure = self.failure()
@@ -81,6 +154,14 @@ class Launcher:
                     raise LaunchError("timeout", f"not ready at {self.health_url} within {timeout:g} s",
                                       self.log_tail(), self.argv)
                 time.sleep(poll_s)
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -146,8 +146,10 @@ class GpuPool:
 
 
 class PortBook:
-    """Ports handed to servers that may not be listening yet: free_port() alone could give one twice
-    while an engine is still loading its model."""
+    """Ports handed to this process's servers, until their slot gives them back. free_port() holds a
+    port (bound, not listening) until its server is up, which keeps other processes off it; this book
+    keeps it off this process's other slots for as long as the server uses it, and lets the hold go
+    when a slot gives back a port it never launched on (a wait for GPUs that was cancelled)."""
 
     def __init__(self):
         self.taken: set[int] = set()
@@ -164,8 +166,11 @@ class PortBook:
             return port
 
     def release(self, port: int | None) -> None:
+        from autotune.engines.launcher import release_port
+
         with self.lock:
             self.taken.discard(port)
+        release_port(port)
 
 
 class Slot:
