@@ -1,4 +1,4 @@
-"""Prometheus text exposition (format 0.0.4) of the embedded engine's counters, from Engine.stats().
+"""Prometheus exposition (text format 0.0.4, through prometheus_client) of the embedded engine's counters.
 
 Metrics served on GET /metrics (all engine-wide, since start):
   autotune_requests_total                  counter  generation requests submitted to the engine
@@ -14,7 +14,14 @@ Metrics served on GET /metrics (all engine-wide, since start):
   autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
   autotune_spec_draft_seconds_total        counter  time spent drafting
   autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes
+
+The engine keeps these totals itself, under its scheduler lock (Engine.stats()); a custom collector
+reads them at each scrape rather than mirroring them into prometheus_client Counter objects, which
+could only be incremented from inside the engine loop and would be a second copy to keep in step.
 """
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE
 
 # (Engine.stats() key, metric name, type, help)
 METRICS = (
@@ -32,13 +39,27 @@ METRICS = (
     ("draft_seconds_total", "autotune_spec_draft_seconds_total", "counter", "Seconds spent drafting."),
     ("verify_seconds_total", "autotune_spec_verify_seconds_total", "counter", "Seconds spent verifying."),
 )
+FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+class EngineCollector:
+    """METRICS read from `stats()` (an Engine.stats) at each collection."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for key, name, kind, help_text in METRICS:
+            yield FAMILIES[kind](name, help_text, value=float(stats[key]))
 
 
-def render(stats: dict) -> str:
-    lines = []
-    for key, name, kind, help_text in METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(stats[key])!r}"]
-    return "\n".join(lines) + "\n"
+def registry(stats) -> CollectorRegistry:
+    """One server's registry: its engine's metrics, and nothing registered by other code in the process."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats))
+    return registry
 
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -195,8 +195,10 @@ def build_app(engine) -> Starlette:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.model_name, "device": str(engine.device)})
 
+    registry = metrics.registry(engine.stats)
+
     async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(engine.stats()), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     async def runtime(request: Request) -> Response:
         if request.method == "GET":
