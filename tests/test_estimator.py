@@ -223,3 +223,28 @@ def test_study_rows_and_bad_input(tmp_path):
     for argv in (["fit", str(tmp_path / "nowhere"), "--no-collect"], ["eval", "--estimator", str(bad)]):
         done = subprocess.run(cli + argv, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done
+
+
+@pytest.mark.slow
+def test_metrics_text_of_the_embedded_server_gives_the_acceptance_of_its_usage(embedded_server):
+    """The embedded /metrics (rendered by prometheus_client) parsed by bench.server_metrics (its parser) gives
+    the accept length and rate the requests' own usage adds up to; the text stays one `name value` per sample."""
+    from autotune.bench.server_metrics import acceptance, parse_prometheus
+
+    def metrics_text():
+        return httpx.get(embedded_server + "/metrics", timeout=10).text
+
+    before = metrics_text()
+    body = {"prompt": "1 2 3 4 5 " * 20, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    usages = [httpx.post(embedded_server + "/v1/completions", json=body | {"seed": i}, timeout=120).json()["usage"]
+              for i in range(3)]
+    after = metrics_text()
+    steps, drafted, accepted = (sum(u[key] for u in usages) for key in
+                                ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens"))
+    got = acceptance(parse_prometheus(before), parse_prometheus(after))
+    assert got["server_metrics_source"] == "embedded" and accepted > 0
+    assert got["server_accept_length"] == pytest.approx(1 + accepted / steps, rel=1e-9)
+    assert got["server_accept_rate"] == pytest.approx(accepted / drafted, rel=1e-9)
+    plain = {name: float(value) for name, value in
+             (line.split() for line in after.splitlines() if line and not line.startswith("#"))}
+    assert plain == parse_prometheus(after) and "autotune_spec_accept_length" in plain
