@@ -7,7 +7,6 @@
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,11 @@ import time
 import httpx
 import pytest
 
+from autotune.engines.launcher import free_port, release_port
+
 # Small context and few slots: a fast start and a small KV cache; ngram drafting so acceptance moves.
 SESSION_SERVER_FLAGS = {"drafter": "ngram", "draft_length": 4, "verify_slots": 4, "max_seq_len": 1024}
 STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_argv(port: int, flags: dict) -> list[str]:
@@ -40,7 +35,7 @@ class EmbeddedServer:
     """`autotune serve` in its own process group, its output in a temporary log file."""
 
     def __init__(self, **flags):
-        self.port = free_port()
+        self.port = free_port()  # held until the server is up: no other test process can take it meanwhile
         self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="autotune-serve-", suffix=".log")
         with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
@@ -51,6 +46,8 @@ class EmbeddedServer:
         except BaseException:
             self.stop()
             raise
+        finally:
+            release_port(self.port)
 
     def _wait_ready(self):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

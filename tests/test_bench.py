@@ -1,13 +1,19 @@
 """The benchmark harness: workloads, SLOs, metric arithmetic, Prometheus parsing, and live runs over HTTP."""
 import asyncio
+import itertools
 import json
+import math
 import os
 import signal
+import socket
 import statistics
+import subprocess
+import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pandas as pd
@@ -17,7 +23,7 @@ from typer.testing import CliRunner
 from autotune.bench import load_workload, parse_slo, run_benchmark, shipped_workloads
 from autotune.bench.client import RequestRecord
 from autotune.bench.metrics import requests_frame, summarize
-from autotune.bench.resources import ResourceSampler
+from autotune.bench.resources import ResourceSampler, tree_peak_rss_kib
 from autotune.bench.server_metrics import acceptance, parse_prometheus, scrape
 from autotune.bench.workloads import Workload, prompt_text, with_api
 from autotune.cli import app
@@ -210,16 +216,69 @@ def test_prometheus_text_and_acceptance_deltas():
     assert acceptance(None, None)["server_accept_length"] is None
 
 
-def test_resources_read_proc_and_degrade_without_a_process():
-    with ResourceSampler(os.getpid(), interval_s=0.05) as sampler:
-        ballast = bytearray(64 * 1024 * 1024)
-        time.sleep(0.15)
-    assert sampler.peak_rss_gb is not None and sampler.peak_rss_gb > 64 / 1024
-    del ballast
+# A "server" that forks a worker, as engines do; the worker allocates on demand and frees it again.
+SERVER_TREE = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])"
+WORKER = """
+import sys
+print("up", flush=True)
+sys.stdin.readline()
+ballast = b"x" * (int(sys.argv[1]) << 20)  # every page written
+del ballast  # unmapped: RSS falls back, the kernel's high-water mark (VmHWM) keeps the peak
+print("freed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_peak_rss_is_the_high_water_mark_of_the_whole_process_tree():
+    mib = 256
+    server = subprocess.Popen([sys.executable, "-c", SERVER_TREE, WORKER, str(mib)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "up\n"
+        before_kib = tree_peak_rss_kib(server.pid)
+        # Sampled only on entry and exit (the interval never elapses): a spike freed in between is seen
+        # only through the kernel's high-water mark, and only by summing over the tree (the worker is
+        # the server's child). The increase over the tree's own peak before is what the ballast adds.
+        with ResourceSampler(server.pid, interval_s=3600) as sampler:
+            server.stdin.write("go\n")
+            server.stdin.flush()
+            assert server.stdout.readline() == "freed\n"
+        assert sampler.peak_rss_kib >= before_kib + 0.9 * mib * 1024, (before_kib, sampler.peak_rss_kib)
+        assert sampler.peak_rss_gb == pytest.approx(sampler.peak_rss_kib / 2 ** 20)
+    finally:
+        server.stdin.close()
+        server.wait(30)
     with ResourceSampler(2 ** 22 + 12345) as gone:  # beyond pid_max: no such process
         pass
     assert gone.peak_rss_gb is None
-    assert gone.peak_gpu_mem_gb is None or gone.peak_gpu_mem_gb > 0
+
+
+def test_gpu_memory_peak_sums_the_gpus_and_survives_a_lost_gpu(monkeypatch):
+    # NVML is faked both ways, so this holds on a machine with GPUs and on one without.
+    used = {0: 1 << 30, 1: 2 << 30}
+
+    def memory_info(handle):
+        if used[handle] is None:
+            raise RuntimeError("GPU is lost")
+        return SimpleNamespace(used=used[handle])
+
+    nvml = SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2,
+                           nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=memory_info)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with ResourceSampler(interval_s=3600) as sampler:  # sampled by hand below
+        assert sampler.peak_gpu_mem_gb == pytest.approx(3.0)  # both GPUs, on entry
+        used[1] = 6 << 30
+        sampler.sample()
+        used[1] = 3 << 30  # lower again: the peak stays
+        sampler.sample()
+        used[0] = None  # lost mid-run: sampling stops, the peak seen so far is kept
+        sampler.sample()
+        used[0] = 50 << 30
+    assert sampler.peak_gpu_mem_gb == pytest.approx(7.0) and sampler.peak_rss_gb is None  # no pid: no RSS
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML library at all
+    with ResourceSampler() as none:
+        pass
+    assert none.peak_gpu_mem_gb is None
 
 
 # -- live, against the embedded engine over HTTP -----------------------------------------------------
@@ -308,21 +367,23 @@ class _Failing:
 
 @pytest.fixture(scope="module")
 def failing_server():
-    import socket
-
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    listening = socket.socket()  # bound and listening before uvicorn starts: no port to lose to anyone
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(_Failing(), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the 503 server did not start"
         time.sleep(0.02)
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(5)
+    listening.close()
 
 
 def test_http_5xx_is_counted(failing_server):
@@ -331,17 +392,67 @@ def test_http_5xx_is_counted(failing_server):
     assert "overloaded" in result.requests["error"].iloc[0]
 
 
-def test_open_loop_follows_the_seeded_poisson_schedule(failing_server):
-    import random
+def open_loop_schedule(monkeypatch, rate: float, n: int, seed: int) -> list[float]:
+    """The send times the open loop (client.run_load) chooses, on a virtual clock: sleeping advances it,
+    sending records it. No server, no waiting, nothing of this machine's speed in the numbers."""
+    from autotune.bench import client
 
-    rate, seed = 5.0, 3
-    starts = run_benchmark(failing_server, "chat", rate=rate, num_requests=5, seed=seed, model="m",
-                           progress=False).requests["start_s"].tolist()
-    rng, expected, t = random.Random(seed), [], 0.0
-    for _ in range(5):
-        expected.append(t)
-        t += rng.expovariate(rate)
-    assert starts == pytest.approx(expected, abs=0.15)
+    clock, real_sleep = [0.0], asyncio.sleep
+
+    async def sleep(seconds):
+        await real_sleep(0)  # the requests due so far are sent at the current time
+        clock[0] += max(0.0, seconds)
+
+    async def send(http, base_url, request, body, index, t0, timeout):
+        return RequestRecord(index=index, api=request["api"], start_s=clock[0] - t0)
+
+    class VirtualAsyncio:
+        def __getattr__(self, name):
+            return sleep if name == "sleep" else getattr(asyncio, name)
+
+    requests = load_workload("chat").requests
+    with monkeypatch.context() as patch:
+        patch.setattr(client, "send", send)
+        patch.setattr(client, "asyncio", VirtualAsyncio())
+        patch.setattr(client, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+        records, _, _ = asyncio.run(client.run_load("http://unused", requests, [{} for _ in requests],
+                                                    concurrency=None, rate=rate, num_requests=n, duration=None,
+                                                    seed=seed, request_timeout=5.0))
+    return sorted(r.start_s for r in records)
+
+
+@pytest.mark.parametrize("rate", [0.5, 5.0, 200.0])
+def test_open_loop_arrivals_are_poisson_at_the_rate(monkeypatch, rate):
+    from scipy import stats
+
+    for seed in (0, 1, 2):
+        starts = open_loop_schedule(monkeypatch, rate, 2001, seed)
+        assert len(starts) == 2001 and starts[0] == 0.0
+        gaps = [(b - a) * rate for a, b in itertools.pairwise(starts)]  # in units of the mean gap 1/rate
+        m = len(gaps)
+        # Exponential gaps of mean 1/rate: the mean within 4 standard errors (sd = mean for an
+        # exponential), the coefficient of variation near 1 (its standard error is about sqrt(2/m)), the
+        # whole distribution by Kolmogorov-Smirnov. Even or uniformly random gaps fail the CV, a wrong
+        # rate the mean.
+        assert abs(statistics.mean(gaps) - 1) < 4 / math.sqrt(m), (seed, statistics.mean(gaps))
+        assert abs(statistics.stdev(gaps) / statistics.mean(gaps) - 1) < 5 * math.sqrt(2 / m), seed
+        assert stats.kstest(gaps, "expon").pvalue > 1e-3, seed
+        # Successive gaps are independent (Poisson arrivals are memoryless): lag-1 correlation near 0.
+        assert abs(stats.pearsonr(gaps[:-1], gaps[1:]).statistic) < 4 / math.sqrt(m), seed
+    assert open_loop_schedule(monkeypatch, rate, 50, 7) == open_loop_schedule(monkeypatch, rate, 50, 7)  # seeded
+    assert open_loop_schedule(monkeypatch, rate, 50, 7) != open_loop_schedule(monkeypatch, rate, 50, 8)
+    assert open_loop_schedule(monkeypatch, float("inf"), 20, 7) == [0.0] * 20  # rate=inf: all at once
+
+
+def test_open_loop_sends_on_its_schedule_never_early(failing_server, monkeypatch):
+    # In real time a busy machine only delays a send; none may go out before its scheduled time, so the
+    # last goes out no earlier than the schedule's last arrival (not all at once).
+    rate, n, seed = 20.0, 20, 3
+    starts = sorted(run_benchmark(failing_server, "chat", rate=rate, num_requests=n, seed=seed, model="m",
+                                  progress=False).requests["start_s"])
+    schedule = open_loop_schedule(monkeypatch, rate, n, seed)
+    assert len(starts) == n and schedule[-1] > 0.2
+    assert all(real >= planned - 5e-3 for real, planned in zip(starts, schedule)), list(zip(starts, schedule))
 
 
 @pytest.mark.slow
