@@ -309,12 +309,13 @@ def estimate(
     json_output: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ):
     """Rank an engine's configurations by PREDICTED decode tok/s and memory, without launching anything."""
+    from autotune.engines import get_adapter
     from autotune.predict.report import estimate_report
 
     try:
-        text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=engine, draft_model=draft_model,
-                               alpha=alpha, concurrency=concurrency, context_len=context_len, top=top,
-                               as_json=json_output)
+        text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=get_adapter(engine),
+                               draft_model=draft_model, alpha=alpha, concurrency=concurrency,
+                               context_len=context_len, top=top, as_json=json_output)
     except ValueError as e:
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from autotune import PROJECT_ROOT
+from autotune.engines import get_adapter
 from autotune.hardware import get_profile
 from autotune.predict import Calibration, calibration, load_model, predict_speed, predict_trial
 
@@ -87,17 +88,17 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 
 def cpu_grid() -> dict:
-    smol, cpu = load_model(None), get_profile("cpu")
+    smol, cpu, embedded = load_model(None), get_profile("cpu"), get_adapter("embedded")
     trials = grid_trials(code_prompt_tokens())
     measured = [t["output_tok_s"] for t in trials]
-    prior = [predict_trial(t, smol, cpu) for t in trials]
-    full = Calibration.fit(trials, smol, cpu)
-    in_sample = [predict_trial(t, smol, cpu, calibration=full) for t in trials]
+    prior = [predict_trial(t, smol, cpu, engine=embedded) for t in trials]
+    full = Calibration.fit(trials, smol, cpu, engine=embedded)
+    in_sample = [predict_trial(t, smol, cpu, engine=embedded, calibration=full) for t in trials]
     loo, mean_peer = [], []
     for i, held in enumerate(trials):
         rest = trials[:i] + trials[i + 1:]
-        cal = Calibration.fit(rest, smol, cpu)
-        loo.append(predict_trial({**held, "accept_length": None}, smol, cpu, calibration=cal))
+        cal = Calibration.fit(rest, smol, cpu, engine=embedded)
+        loo.append(predict_trial({**held, "accept_length": None}, smol, cpu, engine=embedded, calibration=cal))
         mean_peer.append(statistics.mean(t["output_tok_s"] for t in rest))
     med = lambda preds: statistics.median(_err(p, m) for p, m in zip(preds, measured))
     return {"trials": len(trials), "prompt_tokens": trials[0]["prompt_tokens"],
@@ -108,9 +109,9 @@ def cpu_grid() -> dict:
 
 
 def public() -> list[dict]:
-    out = []
+    out, sglang = [], get_adapter("sglang")
     for case in PUBLIC:
-        s = predict_speed(load_model(case["model"]), case["config"], get_profile(case["gpu"]), 1, engine="sglang",
+        s = predict_speed(load_model(case["model"]), case["config"], get_profile(case["gpu"]), 1, engine=sglang,
                           context_len=512)
         out.append({**case, "predicted": round(s.single_tok_s, 1), "tokens_per_step": round(s.tokens_per_step, 2),
                     "error_pct": round((s.single_tok_s / case["measured"] - 1) * 100, 1)})

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from autotune import PROJECT_ROOT
+from autotune.engines import get_adapter
 from autotune.hardware import get_profile, planned
 from autotune.predict import (
     Calibration,
@@ -20,13 +21,13 @@ from autotune.predict import (
     rank_configs,
 )
 from autotune.predict.calibration import grid_trials
-from autotune.predict.knobs import read_knobs
 from autotune.predict.speed import alpha_from_accept_length
 from autotune.space import load_space
 from autotune.space.constraints import ModelShape
 
 GIB = 2**30
 H100, RTX3090 = get_profile("h100-sxm5"), get_profile("rtx-3090")
+SGLANG, VLLM, EMBEDDED = get_adapter("sglang"), get_adapter("vllm"), get_adapter("embedded")
 
 
 def test_llama_3_1_8b_by_hand():
@@ -35,17 +36,18 @@ def test_llama_3_1_8b_by_hand():
     # per layer q,o 2*4096^2 + k,v 2*4096*1024 + MLP 3*4096*14336 + 2 norms = 218,112,000;
     # x32 + embedding and head 2*128256*4096 + final norm = 8,030,261,248 parameters.
     assert llama.computed_params() == 8_030_261_248
-    m = predict_memory(llama, {"tp_size": 1, "mem_fraction_static": 0.9}, H100, 1)
+    m = predict_memory(llama, {"tp_size": 1, "mem_fraction_static": 0.9}, H100, 1, engine=SGLANG)
     assert m.weights_gb == pytest.approx(16.06, abs=0.005)  # 8.03e9 x 2 bytes (bf16)
     # KV per token: 2 (K, V) x 32 layers x 8 heads x 128 x 2 bytes = 131,072 B = 128 KiB
     assert m.kv_gb_per_1k_tokens == pytest.approx(1000 * 131_072 / 1e9)
     # SGLang: 0.9 x 80 GiB for weights + KV pool, the rest for workspace
     assert m.fits and m.kv_tokens == int((0.9 * 80 * GIB - 16.06e9) // 131_072)
     assert m.max_sequences(4096) == m.kv_tokens // 4096
-    tp2 = predict_memory(llama, {"tp_size": 2, "mem_fraction_static": 0.9}, H100, 2)
+    tp2 = predict_memory(llama, {"tp_size": 2, "mem_fraction_static": 0.9}, H100, 2, engine=SGLANG)
     assert tp2.weights_gb == pytest.approx(m.weights_gb / 2)  # sharded linear layers and vocab-parallel embedding
     assert tp2.kv_gb_per_1k_tokens == pytest.approx(m.kv_gb_per_1k_tokens / 2)  # 4 of the 8 KV heads per GPU
-    fp8_kv = predict_memory(llama, {"tp_size": 1, "kv_cache_dtype": "fp8_e4m3", "mem_fraction_static": 0.9}, H100, 1)
+    fp8_kv = predict_memory(llama, {"tp_size": 1, "kv_cache_dtype": "fp8_e4m3", "mem_fraction_static": 0.9}, H100, 1,
+                            engine=SGLANG)
     assert fp8_kv.kv_gb_per_1k_tokens == pytest.approx(m.kv_gb_per_1k_tokens / 2)
     assert fp8_kv.kv_tokens == int((0.9 * 80 * GIB - 16.06e9) // 65_536)
 
@@ -53,15 +55,15 @@ def test_llama_3_1_8b_by_hand():
 def test_qwen2_5_7b_by_hand():
     qwen = load_model("qwen2.5-7b")
     # config.json: 28 layers, hidden 3584, 4 KV heads x 128, vocab 152064, untied.
-    m = predict_memory(qwen, {"tensor_parallel_size": 1}, H100, 1)
+    m = predict_memory(qwen, {"tensor_parallel_size": 1}, H100, 1, engine=VLLM)
     assert m.weights_gb == pytest.approx(15.24, abs=0.005)  # 7.62e9 x 2 bytes
     assert m.kv_gb_per_1k_tokens == pytest.approx(1000 * 2 * 28 * 4 * 128 * 2 / 1e9)  # 57,344 B = 56 KiB per token
     # FP8 weights: the 6.53e9 linear-layer parameters at 1 byte; embedding + head (2 x 152064 x 3584 =
     # 1,089,994,752) stay bf16: 7.62e9 - 1.09e9 + 2 x 1.09e9 = 8.71 GB.
-    fp8 = predict_memory(qwen, {"tensor_parallel_size": 1, "quantization": "fp8"}, H100, 1)
+    fp8 = predict_memory(qwen, {"tensor_parallel_size": 1, "quantization": "fp8"}, H100, 1, engine=VLLM)
     assert fp8.weights_gb == pytest.approx((7.62e9 - 1_089_994_752 + 2 * 1_089_994_752) / 1e9)
     # TP 8 with 4 KV heads: each GPU keeps one head (replicated), not half of one.
-    tp8 = predict_memory(qwen, {"tensor_parallel_size": 8}, H100, 8)
+    tp8 = predict_memory(qwen, {"tensor_parallel_size": 8}, H100, 8, engine=VLLM)
     assert tp8.kv_gb_per_1k_tokens == pytest.approx(1000 * 2 * 28 * 1 * 128 * 2 / 1e9)
     # vLLM: 0.9 of the GPU for everything; the KV cache gets what weights and workspace leave.
     assert m.kv_tokens == int((0.9 * 80 * GIB - 15.24e9 - m.workspace_gb * 1e9) // 57_344)
@@ -69,11 +71,11 @@ def test_qwen2_5_7b_by_hand():
 
 def test_27b_bf16_refused_on_one_rtx_3090_with_the_numbers():
     gemma = load_model("gemma-2-27b")
-    m = predict_memory(gemma, {"tp_size": 1}, RTX3090, 1)
+    m = predict_memory(gemma, {"tp_size": 1}, RTX3090, 1, engine=SGLANG)
     assert not m.fits and m.kv_tokens == 0
     assert m.weights_gb == pytest.approx(54.4)  # 27.2e9 x 2 bytes
     assert m.reason.startswith("does not fit") and "54.40 GB" in m.reason and "25.77 GB" in m.reason  # 24 GiB
-    halves = predict_memory(gemma, {"tp_size": 4, "quantization": "w8a16_fp8"}, RTX3090, 4)
+    halves = predict_memory(gemma, {"tp_size": 4, "quantization": "w8a16_fp8"}, RTX3090, 4, engine=SGLANG)
     assert halves.fits, halves.reason
 
 
@@ -104,39 +106,39 @@ def test_hf_config_directory(tmp_path):
 def test_drop_in_for_the_constraints_estimate():
     smol = load_model(None)
     shape = ModelShape.of(smol)  # what the driver holds
-    fit = estimate_memory({"verify_slots": 4096, "dtype": "float32"}, planned(H100), shape)
+    fit = estimate_memory({"verify_slots": 4096, "dtype": "float32"}, planned(H100), shape, engine=EMBEDDED)
     assert not fit.fits and "4096 x 2048-token slot cache" in fit.reason
-    small = estimate_memory({"verify_slots": 4, "dtype": "float32"}, planned(H100), shape)
+    small = estimate_memory({"verify_slots": 4, "dtype": "float32"}, planned(H100), shape, engine=EMBEDDED)
     assert small.fits and small.record()["weights_gb"] == pytest.approx(134_515_008 * 4 / 1e9, abs=1e-3)
-    assert estimate_memory({}, None, None) is None
+    assert estimate_memory({}, None, None, engine=EMBEDDED) is None
 
 
 def test_speculative_arithmetic():
-    k = read_knobs({"speculative_method": "eagle", "num_speculative_tokens": 3}, "vllm")
+    k = VLLM.knobs({"speculative_method": "eagle", "num_speculative_tokens": 3})
     assert expected_tokens(0.8, k) == pytest.approx((1 - 0.8**4) / 0.2)  # 2.952
     assert expected_tokens(0.0, k) == 1.0
     assert alpha_from_accept_length(2.952, k) == pytest.approx(0.8, abs=1e-3)
     # SGLang runs steps+1 tokens when topk is 1, whatever --speculative-num-draft-tokens says
-    sg = read_knobs({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-                     "speculative_num_draft_tokens": 16}, "sglang")
+    sg = SGLANG.knobs({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                       "speculative_num_draft_tokens": 16})
     assert sg.verify_tokens == 4
 
 
 def test_speed_terms():
     llama = load_model("llama-3.1-8b")
-    graphs = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1)
-    eager = predict_speed(llama, {"tensor_parallel_size": 1, "enforce_eager": True}, H100, 1)
+    graphs = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1, engine=VLLM)
+    eager = predict_speed(llama, {"tensor_parallel_size": 1, "enforce_eager": True}, H100, 1, engine=VLLM)
     # eager passes pay 40 us of kernel launches per layer: 32 x 40 us per step
     assert 1 / eager.single_tok_s - 1 / graphs.single_tok_s == pytest.approx(32 * 40e-6)
     # memory-bound at batch 1: 16.06 GB / (3.35 TB/s x 0.8) + 0.5 ms overhead, plus the KV of 1024 cached tokens
     assert graphs.bound == "memory" and 1 / graphs.single_tok_s == pytest.approx(
         (16.06e9 + 1024 * 131072) / (3350e9 * 0.8) + 0.5e-3, rel=1e-3)
-    batched = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1, concurrency=16)
+    batched = predict_speed(llama, {"tensor_parallel_size": 1}, H100, 1, engine=VLLM, concurrency=16)
     assert batched.concurrent_tok_s > 10 * graphs.single_tok_s and batched.per_stream_tok_s < graphs.single_tok_s
     spec = predict_speed(llama, {"tensor_parallel_size": 1, "speculative_method": "eagle", "num_speculative_tokens": 3},
-                         H100, 1, alpha=0.8)
+                         H100, 1, engine=VLLM, alpha=0.8)
     assert spec.tokens_per_step == pytest.approx(2.952, abs=1e-3) and spec.single_tok_s > graphs.single_tok_s
-    tp2 = predict_speed(llama, {"tensor_parallel_size": 2}, H100, 2)
+    tp2 = predict_speed(llama, {"tensor_parallel_size": 2}, H100, 2, engine=VLLM)
     assert graphs.single_tok_s < tp2.single_tok_s < 2 * graphs.single_tok_s  # all-reduces eat part of the gain
 
 
@@ -150,19 +152,20 @@ def test_calibration_reduces_the_error_on_the_measured_cpu_grid():
     trials = _grid_trials()
     assert len(trials) >= 4
     smol, cpu = load_model(None), get_profile("cpu")
-    cal = Calibration.fit(trials, smol, cpu)
-    errors = [(abs(predict_trial(t, smol, cpu) / t["output_tok_s"] - 1),
-               abs(predict_trial(t, smol, cpu, calibration=cal) / t["output_tok_s"] - 1)) for t in trials]
+    cal = Calibration.fit(trials, smol, cpu, engine=EMBEDDED)
+    errors = [(abs(predict_trial(t, smol, cpu, engine=EMBEDDED) / t["output_tok_s"] - 1),
+               abs(predict_trial(t, smol, cpu, engine=EMBEDDED, calibration=cal) / t["output_tok_s"] - 1))
+              for t in trials]
     before = sorted(e[0] for e in errors)[len(errors) // 2]
     after = sorted(e[1] for e in errors)[len(errors) // 2]
     assert after < before and cal.error_after < cal.error_before
-    assert cal.coefficients != Calibration.fit(trials[:1], smol, cpu).coefficients  # the data moves the fit
+    assert cal.coefficients != Calibration.fit(trials[:1], smol, cpu, engine=EMBEDDED).coefficients  # the data moves the fit
 
 
 def test_rank_configs_respects_hardware_and_memory():
     space, qwen = load_space("sglang"), load_model("qwen3-32b")
-    assert rank_configs(space, qwen, RTX3090, 1) == []  # 32.8 GB even in FP8 weights: nothing fits 24 GiB
-    ranked = rank_configs(space, qwen, RTX3090, 2, top=50)
+    assert rank_configs(space, qwen, RTX3090, 1, engine=SGLANG) == []  # 32.8 GB even in FP8 weights: nothing fits 24 GiB
+    ranked = rank_configs(space, qwen, RTX3090, 2, top=50, engine=SGLANG)
     assert ranked and all(c["tp_size"] == 2 and c["quantization"] == "w8a16_fp8" for c, _ in ranked)  # Marlin, no W8A8
     assert all(c["speculative_algorithm"] in ("none", "NGRAM") for c, _ in ranked)  # no draft model given
     speeds = [p.speed.single_tok_s for _, p in ranked]

@@ -4,9 +4,11 @@ import dataclasses
 import optuna
 import pytest
 
+from autotune.engines import get_adapter
 from autotune.hardware import get_profile, planned
+from autotune.predict import load_model
 from autotune.space import SpaceError, load_space, parse_set_options, parse_space
-from autotune.space.constraints import hardware_violations, model_shape, restrict_space
+from autotune.space.constraints import ModelShape, hardware_violations, restrict_space
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -81,22 +83,27 @@ def test_seeds_start_with_engine_defaults():
 
 
 def test_hardware_conditions():
-    shape = model_shape(None)  # the bundled SmolLM2: 9 attention heads
+    shape = ModelShape.of(load_model(None))  # the bundled SmolLM2: 9 attention heads
+    sglang, vllm, embedded = get_adapter("sglang"), get_adapter("vllm"), get_adapter("embedded")
     a100, h100 = planned(get_profile("a100-80gb-sxm4")), planned(get_profile("h100-sxm5"))
-    assert hardware_violations({"quantization": "fp8"}, h100, shape) == []
-    assert "FP8" in hardware_violations({"quantization": "fp8"}, a100, shape)[0]
-    assert hardware_violations({"quantization": "w8a16_fp8"}, a100, shape) == []  # Marlin weight-only on Ampere
+    assert hardware_violations({"quantization": "fp8"}, h100, shape, adapter=sglang) == []
+    assert "FP8" in hardware_violations({"quantization": "fp8"}, a100, shape, adapter=sglang)[0]
+    # Marlin weight-only on Ampere
+    assert hardware_violations({"quantization": "w8a16_fp8"}, a100, shape, adapter=sglang) == []
     eight = dataclasses.replace(h100, gpus=h100.gpus * 8)
-    assert any("GPU count" in v for v in hardware_violations({"tp_size": 2}, h100, shape))
-    assert any("attention heads" in v for v in hardware_violations({"tp_size": 2}, eight, shape))
-    assert hardware_violations({"tp_size": 3, "tensor_parallel_size": 1}, dataclasses.replace(h100, gpus=h100.gpus * 3),
-                               shape) == []
-    assert "CUDA" in hardware_violations({"cuda_graph_batch_sizes": [1, 2]}, None, shape)[0]
-    assert "runs on the CPU" in hardware_violations({"quantization": "gguf"}, h100, shape)[0]
-    assert hardware_violations({"quantization": "gguf"}, None, shape) == []
-    assert "gguf" not in restrict_space(load_space("embedded"), h100, shape, None).params["quantization"].choices
+    assert any("GPU count" in v for v in hardware_violations({"tp_size": 2}, h100, shape, adapter=sglang))
+    assert any("attention heads" in v for v in hardware_violations({"tp_size": 2}, eight, shape, adapter=sglang))
+    three = dataclasses.replace(h100, gpus=h100.gpus * 3)
+    assert hardware_violations({"tp_size": 3}, three, shape, adapter=sglang) == []
+    assert any("GPU count" in v for v in hardware_violations({"tensor_parallel_size": 2}, three, shape, adapter=vllm))
+    assert hardware_violations({"tp_size": 2}, three, shape, adapter=vllm) == []  # not vLLM's TP key
+    assert "CUDA" in hardware_violations({"cuda_graph_batch_sizes": [1, 2]}, None, shape, adapter=embedded)[0]
+    assert "runs on the CPU" in hardware_violations({"quantization": "gguf"}, h100, shape, adapter=embedded)[0]
+    assert hardware_violations({"quantization": "gguf"}, None, shape, adapter=embedded) == []
+    assert "gguf" not in restrict_space(load_space("embedded"), h100, shape, None,
+                                        adapter=embedded).params["quantization"].choices
     # On a CPU machine the space never offers what cannot run there.
-    space = restrict_space(load_space("embedded"), None, shape, draft_model=None)
+    space = restrict_space(load_space("embedded"), None, shape, draft_model=None, adapter=embedded)
     assert "draft_model" not in space.params["drafter"].choices
     assert space.params["cuda_graph_batch_sizes"].fixed == []
     assert space.params["compile"].fixed == "none"

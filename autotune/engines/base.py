@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from autotune.predict.knobs import Knobs
+
 SCHEMA_DIR = Path(__file__).parent / "schemas"
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
 _SUFFIXED_INT = re.compile(r"^\d+(\.\d+)?(k|K|M|G|T|Ki|Mi|Gi|Ti)?$")
@@ -196,6 +198,17 @@ class EngineAdapter:
     # ci: host facts beyond GPUs, driver and versions that decide this engine's speed (a CPU engine's
     # CPU model, thread count and native dtypes).
     fingerprint_keys: tuple[str, ...] = ()
+    # predict (autotune/predict/): the config key of the tensor-parallel size (None: no TP); the keys the
+    # memory and speed model read (what `autotune estimate` enumerates); how the engine splits a GPU:
+    # "static_fraction" (weights + KV pool inside a fraction, the workspace outside it), "utilization"
+    # (everything inside a fraction; the KV cache gets what is left) or "slots" (a KV cache of
+    # max_running x context tokens allocated up front); the context one sequence must hold unless the
+    # caller says; the largest CUDA-graph batch when the config sets none (0: no graphs by default).
+    tp_key: str | None = None
+    modelled: tuple[str, ...] = ()
+    memory_pool = "utilization"
+    default_context_len = 4096
+    graph_max_bs_default = 0
 
     def installed(self) -> bool:
         """Whether this machine can launch the engine at all."""
@@ -247,3 +260,21 @@ class EngineAdapter:
         prefix = argv[:len(argv) - len(self.engine_args(argv))]
         args, notes = translate_renamed(self.engine_args(argv), load_schema(self.name, self.version))
         return list(prefix) + args, notes
+
+    # -- predict -----------------------------------------------------------------------------------
+    def tp_size(self, config: dict) -> int:
+        """GPUs one server of `config` spans: its tensor-parallel size (1 for an engine without TP)."""
+        return int(config.get(self.tp_key) or 1) if self.tp_key else 1
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
+        """`config` read into the engine-neutral Knobs the memory and speed model use."""
+        raise NotImplementedError(f"the {self.name} adapter has no memory and speed model")
+
+    def default_memory_fraction(self, tp: int) -> float:
+        """The share of a GPU the engine takes when the config sets none."""
+        return 0.9
+
+    def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None:
+        """What the engine is told to load for a model preset (`given` is its name, not a path): the
+        preset's Hugging Face repo where it names one."""
+        return hub_repo or given

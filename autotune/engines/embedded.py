@@ -15,6 +15,7 @@ from autotune import __version__
 from autotune.embedded import config as engine_config
 from autotune.embedded.weights import bundled_gguf_path
 from autotune.engines.base import EngineAdapter, schema_errors
+from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 CHOICES = {"drafter": engine_config.DRAFTERS, "draft_policy": engine_config.DRAFT_POLICIES,
            "dtype": engine_config.DTYPES, "quantization": engine_config.QUANTIZATIONS,
@@ -23,6 +24,7 @@ DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
 DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
                "draft_model")
 SERVE_ONLY = {"host": str, "port": int, "log_level": str}  # serve flags that are not EngineConfig fields
+BUNDLED_PRESET = "smollm2-135m"  # the model preset (autotune/data/model_presets.yaml) of the bundled GGUF
 
 
 def _schema() -> dict:
@@ -56,6 +58,11 @@ class EmbeddedAdapter(EngineAdapter):
     spec_counters = ("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
                      "autotune_spec_accepted_tokens_total")
     fingerprint_keys = ("cpu", "torch_threads", "fast_dtypes")
+    modelled = ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization")
+    # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU
+    # machine); with the weights it must fit default_memory_fraction of a GPU, or the available RAM.
+    memory_pool = "slots"
+    default_context_len = 2048  # a slot's max_seq_len
 
     def installed(self):
         return True  # it ships inside autotune
@@ -110,6 +117,23 @@ class EmbeddedAdapter(EngineAdapter):
             c["early_exit_layers"] = DEFAULTS["early_exit_layers"]
         c["cuda_graph_batch_sizes"] = sorted(set(c["cuda_graph_batch_sizes"] or []))
         return {k: v for k, v in c.items() if v != DEFAULTS[k]}
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
+        c = settings(config)
+        drafter = FAMILIES.get(c.get("drafter"))
+        steps = int(c.get("draft_length", 4)) if drafter else 0
+        sizes = c.get("cuda_graph_batch_sizes") or []
+        graphs = bool(sizes) and on_gpu
+        # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too
+        return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
+                          verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
+                          mem_fraction=None,
+                          max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
+                          cuda_context=graphs, quantized_head=True)
+
+    def preset_model(self, preset, hub_repo, given):
+        """Local files only: the bundled GGUF for its preset (None = the engine's default), else as given."""
+        return None if preset == BUNDLED_PRESET else given
 
     def validate_flags(self, argv):
         return schema_errors(self.engine_args(argv), SCHEMA)

@@ -8,6 +8,7 @@ kernels (`--quantization fp8` with SGLANG_FORCE_FP8_MARLIN=1; what fp8 does by i
 import sys
 
 from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 # NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -15,6 +16,7 @@ ALGORITHMS = (*EAGLE_FAMILY, "NGRAM", "DFLASH")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
 TREE_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")  # EAGLE topk > 1 with page_size > 1
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
+DEFAULT_MEM_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}  # by tp size
 SPEC_SHAPE = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
@@ -34,6 +36,13 @@ class SGLangAdapter(EngineAdapter):
     speculation_off = {"speculative_algorithm": None}
     draft_keys = ("speculative_algorithm", "speculative_num_draft_tokens")
     spec_gauges = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
+    tp_key = "tp_size"
+    modelled = ("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
+                "speculative_eagle_topk", "speculative_num_draft_tokens")
+    # mem_fraction_static x total memory holds the weights and the KV pool; the rest is left for
+    # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
+    memory_pool = "static_fraction"
+    graph_max_bs_default = 256
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, env = dict(config), {}
@@ -103,3 +112,27 @@ class SGLangAdapter(EngineAdapter):
             if key in c:
                 c[key] = sorted(set(c[key]))
         return c
+
+    def default_memory_fraction(self, tp):
+        """mem_fraction_static when unset: SGLang picks it by TP size (its 0.4.x rule, server_args.py)."""
+        return DEFAULT_MEM_FRACTION.get(tp, 0.81)
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
+        c = settings(config)
+        drafter = FAMILIES.get(c.get("speculative_algorithm"))
+        steps, topk, verify = 0, 1, 1
+        if drafter:  # effective()'s rewrites: topk 1 runs steps+1 tokens; NGRAM's steps follow its tokens
+            steps = int(c.get("speculative_num_steps", 3))
+            topk = int(c.get("speculative_eagle_topk", 1))
+            default_tokens = NGRAM_DEFAULT_DRAFT_TOKENS if drafter == "lookup" else steps + 1
+            tokens = c.get("speculative_num_draft_tokens", default_tokens)
+            verify = steps + 1 if topk == 1 and drafter != "lookup" else int(tokens)
+            if drafter == "lookup":
+                steps = verify - 1
+        sizes = c.get("cuda_graph_bs_decode")
+        graph_max = max(sizes) if sizes else c.get("cuda_graph_max_bs_decode")
+        # CUDA graphs are on unless --disable-cuda-graph, which the space does not offer
+        return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps, topk=topk,
+                          verify_tokens=verify, cuda_graphs=True, graph_max_bs=graph_max or self.graph_max_bs_default,
+                          mem_fraction=c.get("mem_fraction_static"), max_running=c.get("max_running_requests"),
+                          max_batch_tokens=c.get("chunked_prefill_size"))

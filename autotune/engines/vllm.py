@@ -10,6 +10,7 @@ vLLM picks Marlin by itself on Ampere, where it is the only FP8 path).
 import sys
 
 from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
@@ -28,6 +29,12 @@ class VLLMAdapter(EngineAdapter):
     draft_keys = ("speculative_method", "num_speculative_tokens")
     spec_counters = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                      "vllm:spec_decode_num_accepted_tokens_total")
+    tp_key = "tensor_parallel_size"
+    modelled = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens")
+    # gpu_memory_utilization (default 0.9) x total memory is everything the instance may use; the KV
+    # cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
+    memory_pool = "utilization"
+    graph_max_bs_default = 512
 
     def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
         method = config.get("speculative_method")
@@ -95,3 +102,15 @@ class VLLMAdapter(EngineAdapter):
             c["cudagraph_capture_sizes"] = sorted({s for s in c["cudagraph_capture_sizes"] if tokens is None or s <= tokens})
             c.pop("max_cudagraph_capture_size", None)  # equal to the largest size (else check() refuses)
         return c
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
+        c = settings(config)
+        drafter = FAMILIES.get(c.get("speculative_method"))
+        steps = int(c.get("num_speculative_tokens", 3)) if drafter else 0
+        sizes = c.get("cudagraph_capture_sizes")
+        graph_max = max(sizes) if sizes else c.get("max_cudagraph_capture_size")
+        return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
+                          verify_tokens=steps + 1, cuda_graphs=not c.get("enforce_eager", False),
+                          graph_max_bs=graph_max or self.graph_max_bs_default,
+                          mem_fraction=c.get("gpu_memory_utilization"), max_running=c.get("max_num_seqs"),
+                          max_batch_tokens=c.get("max_num_batched_tokens"))

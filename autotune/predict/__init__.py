@@ -1,10 +1,13 @@
 """Predict before you launch: memory per GPU and decode speed of a configuration, ranked.
 
+    engine = get_adapter("sglang")                # the engine's adapter (autotune.engines): its knobs()
     model = load_model("llama-3.1-8b")            # a preset, an HF directory or a .gguf file
-    memory = predict_memory(model, config, profile, num_gpus)   # fits? KV tokens left
-    speed = predict_speed(model, config, profile, num_gpus, concurrency=8)
-    best = rank_configs(load_space("sglang"), model, profile, num_gpus, top=5)
-    calibration = Calibration.fit(trials, model, profile)        # from measured trials
+    memory = predict_memory(model, config, profile, num_gpus, engine=engine)   # fits? KV tokens left
+    speed = predict_speed(model, config, profile, num_gpus, engine=engine, concurrency=8)
+    best = rank_configs(load_space("sglang"), model, profile, num_gpus, top=5, engine=engine)
+    calibration = Calibration.fit(trials, model, profile, engine=engine)        # from measured trials
+
+This package never imports the engines: the caller passes the adapter (what it reads: knobs.Engine).
 """
 from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
 from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory

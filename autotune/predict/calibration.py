@@ -13,13 +13,14 @@ reproduce each trial's measured accept length.
 """
 from __future__ import annotations
 
+import csv
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from autotune.predict.knobs import read_knobs
-from autotune.predict.memory import engine_of
+from autotune.predict.knobs import Engine
 from autotune.predict.models import ModelSpec
 from autotune.predict.speed import (
     ALPHA_PRIORS,
@@ -44,11 +45,11 @@ def trial_from_metrics(config: dict, metrics: dict, concurrency: int) -> dict:
             "num_requests": metrics.get("completed")}
 
 
-def trial_passes(trial: dict, model: ModelSpec, profile, engine: str, alphas: dict,
+def trial_passes(trial: dict, model: ModelSpec, profile, engine: Engine, alphas: dict,
                  draft: ModelSpec | None = None) -> tuple[list[tuple[float, Pass]], float, str]:
     """(passes with their counts, tokens they produce, measured key) of one trial: predicted tok/s =
     tokens / sum(count x pass seconds)."""
-    k = read_knobs(trial["config"], engine, bool(profile is not None and profile.is_gpu))
+    k = engine.knobs(trial["config"], bool(profile is not None and profile.is_gpu))
     if trial.get("accept_length") and k.drafter:
         per_step = float(trial["accept_length"])
     else:
@@ -93,16 +94,16 @@ class Calibration:
     error_after: float | None = None
 
     @classmethod
-    def fit(cls, trials: list[dict], model: ModelSpec, profile, num_gpus: int = 1, engine: str | None = None,
+    def fit(cls, trials: list[dict], model: ModelSpec, profile, num_gpus: int = 1, *, engine: Engine,
             draft: ModelSpec | None = None) -> Calibration:
+        """Fit to `trials` (configs of the engine adapter `engine`) measured on `profile`."""
         trials = [t for t in trials if t.get("decode_tok_s") or t.get("output_tok_s")]
         if not trials:
             raise ValueError("calibration needs at least one trial with a measured decode_tok_s or output_tok_s")
-        engine = engine or engine_of(trials[0]["config"])
         on_gpu = bool(profile is not None and profile.is_gpu)
         by_drafter: dict[str, list[float]] = {}
         for t in trials:
-            k = read_knobs(t["config"], engine, on_gpu)
+            k = engine.knobs(t["config"], on_gpu)
             if k.drafter and t.get("accept_length"):
                 by_drafter.setdefault(k.drafter, []).append(alpha_from_accept_length(float(t["accept_length"]), k))
         alphas = {d: float(np.median(v)) for d, v in by_drafter.items()}
@@ -135,10 +136,9 @@ class Calibration:
                 "trials": self.trials, "error_before_pct": self.error_before, "error_after_pct": self.error_after}
 
 
-def predict_trial(trial: dict, model: ModelSpec, profile, engine: str | None = None,
+def predict_trial(trial: dict, model: ModelSpec, profile, *, engine: Engine,
                   calibration: Calibration | None = None, draft: ModelSpec | None = None) -> float:
     """Predicted tok/s in the unit the trial measured (decode_tok_s if present, else output_tok_s)."""
-    engine = engine or engine_of(trial["config"])
     coef = calibration.coefficients if calibration else default_coefficients(profile)
     passes, tokens, _ = trial_passes(trial, model, profile, engine, calibration.alphas if calibration else {}, draft)
     return tokens / sum(c * p.seconds(coef) for c, p in passes)
@@ -150,9 +150,6 @@ GRID_DEFAULTS = {"prefill_ubatch": 256, "early_exit_layers": 8, "dtype": "float3
 def grid_trials(path, *, concurrency: int, num_requests: int, output_tokens: int, prompt_tokens: int) -> list[dict]:
     """Trials from a recorded grid CSV (benchmarks/bench_sample_efficiency.py --measure): one per
     measured cell, its swept settings over the grid's fixed ones, at the load it was measured with."""
-    import csv
-    from pathlib import Path
-
     text = Path(path).read_text().splitlines()
     trials = []
     for r in csv.DictReader(line for line in text if not line.startswith("#")):

@@ -1,7 +1,12 @@
-"""One engine-neutral reading of a configuration (SGLang, vLLM or embedded option names) for the model."""
+"""One engine-neutral reading of a configuration: what the memory and speed model read.
+
+Each engine adapter reads its own option names into `Knobs` (`adapter.knobs(config, on_gpu)`, in
+autotune/engines/); `Engine` lists everything this package asks of an adapter, so predict never
+imports the engines (nor branches on their names)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 # Bytes per weight of the decoder's linear layers. 4-bit formats carry an fp16 scale (and zero) per
 # group of 128 weights: 0.5 + 4/128 bytes. FP8/int8 per-channel scales are negligible.
@@ -15,11 +20,12 @@ WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
 FAMILIES = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "STANDALONE": "draft", "NGRAM": "lookup",
             "DFLASH": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "draft_model": "draft",
             "ngram": "lookup", "early_exit": "early_exit", "quantized_self": "quantized_self"}
+DEFAULT_EARLY_EXIT_LAYERS = 8
 
 
 @dataclass(frozen=True)
 class Knobs:
-    engine: str
+    engine: str  # the adapter's name, for display: the model reads the fields below, never this
     tp: int
     dtype: str  # activations / unquantized weights
     weight_bytes: float  # per linear-layer weight
@@ -30,51 +36,55 @@ class Knobs:
     topk: int  # draft-tree branching (1 = a chain)
     verify_tokens: int  # tokens the target verifies per sequence per step (1 without speculation)
     cuda_graphs: bool
-    graph_max_bs: int | None  # largest batch replayed from a CUDA graph
-    mem_fraction: float | None  # SGLang mem_fraction_static / vLLM gpu_memory_utilization
+    graph_max_bs: int | None  # largest batch replayed from a CUDA graph (the engine's default when unset)
+    mem_fraction: float | None  # the configured share of the GPU (SGLang mem_fraction_static, vLLM gpu_memory_utilization)
     max_running: int | None  # concurrent sequences the engine admits
     max_batch_tokens: int | None  # prefill chunk / batched-token budget
     early_exit_layers: int | None
+    cuda_context: bool = True  # the process holds a CUDA context (counted in the workspace)
+    quantized_head: bool = False  # weight quantization also keeps an int8 copy of a tied embedding as the head
 
 
-def read_knobs(config: dict, engine: str, on_gpu: bool = True) -> Knobs:
-    c = {k: v for k, v in config.items() if v is not None and v != "none"}
-    tp = int(c.get("tp_size") or c.get("tensor_parallel_size") or 1)
+class Engine(Protocol):
+    """What predict reads from an engine adapter (autotune/engines/base.py: EngineAdapter)."""
+
+    name: str
+    memory_pool: str  # "static_fraction" | "utilization" | "slots": see autotune/predict/memory.py
+    default_context_len: int  # tokens one sequence must hold when the caller says nothing
+    modelled: tuple[str, ...]  # config keys the model reads: what rank_configs enumerates
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs: ...
+
+    def default_memory_fraction(self, tp: int) -> float: ...
+
+    def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None: ...
+
+    def check(self, config: dict, hardware=None, *, has_draft_model: bool | None = None) -> list[str]: ...
+
+    def effective(self, config: dict) -> dict: ...
+
+    def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str,
+                port: int) -> tuple[list[str], dict[str, str]]: ...
+
+
+def settings(config: dict) -> dict:
+    """The settings a config makes: None and "none" mean "left to the engine" and are dropped."""
+    return {k: v for k, v in config.items() if v is not None and v != "none"}
+
+
+def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | None, draft_steps: int = 0,
+               topk: int = 1, verify_tokens: int = 1, cuda_graphs: bool, graph_max_bs: int | None,
+               mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
+               cuda_context: bool = True, quantized_head: bool = False) -> Knobs:
+    """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
+    engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers."""
     dtype = str(c.get("dtype", "bfloat16" if on_gpu else "float32"))
     quant = c.get("quantization")
     weight_bytes = WEIGHT_BYTES.get(str(quant).lower(), 1) if quant else WEIGHT_BYTES.get(dtype, 2)
     kv = str(c.get("kv_cache_dtype", "auto"))
     kv_bytes = 1 if "fp8" in kv else WEIGHT_BYTES.get(dtype if kv == "auto" else kv, 2)
-    algo = c.get("speculative_algorithm") or c.get("speculative_method") or c.get("drafter")
-    drafter = FAMILIES.get(algo)
-    steps, topk, verify = 0, 1, 1
-    if engine == "sglang" and drafter:
-        steps = int(c.get("speculative_num_steps", 3))
-        topk = int(c.get("speculative_eagle_topk", 1))
-        tokens = c.get("speculative_num_draft_tokens", 12 if drafter == "lookup" else steps + 1)
-        verify = steps + 1 if topk == 1 and drafter != "lookup" else int(tokens)  # SGLang's own rewrite
-        if drafter == "lookup":
-            steps = verify - 1
-    elif engine == "vllm" and drafter:
-        steps = int(c.get("num_speculative_tokens", 3))
-        verify = steps + 1
-    elif drafter:  # embedded
-        steps = int(c.get("draft_length", 4))
-        verify = steps + 1
-    if engine == "sglang":
-        graphs = True  # on unless --disable-cuda-graph, which the space does not offer
-        bs = c.get("cuda_graph_bs_decode")
-        graph_max = max(bs) if bs else c.get("cuda_graph_max_bs_decode")
-        fraction, running, chunk = c.get("mem_fraction_static"), c.get("max_running_requests"), c.get("chunked_prefill_size")
-    elif engine == "vllm":
-        graphs = not c.get("enforce_eager", False)
-        sizes = c.get("cudagraph_capture_sizes")
-        graph_max = max(sizes) if sizes else c.get("max_cudagraph_capture_size")
-        fraction, running, chunk = c.get("gpu_memory_utilization"), c.get("max_num_seqs"), c.get("max_num_batched_tokens")
-    else:
-        sizes = c.get("cuda_graph_batch_sizes") or []
-        graphs, graph_max = bool(sizes) and on_gpu, (max(sizes) if sizes else None)
-        fraction, running, chunk = None, c.get("verify_slots", 4), c.get("prefill_ubatch", 256)
-    return Knobs(engine, tp, dtype, weight_bytes, quant, kv_bytes, drafter, steps if drafter else 0, topk,
-                 verify if drafter else 1, graphs, graph_max, fraction, running,
-                 chunk if chunk and chunk > 0 else None, c.get("early_exit_layers", 8) if drafter == "early_exit" else None)
+    return Knobs(engine, tp, dtype, weight_bytes, quant, kv_bytes, drafter, draft_steps if drafter else 0, topk,
+                 verify_tokens if drafter else 1, cuda_graphs, graph_max_bs, mem_fraction, max_running,
+                 max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
+                 c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
+                 cuda_context, quantized_head)

@@ -2,23 +2,23 @@
 
 All sizes are decimal GB (1e9 bytes), like the model cards and GPU spec sheets they are compared to.
 
-How each engine splits a GPU (what `budget` means below):
-- SGLang: `mem_fraction_static` x total memory holds the weights and the KV pool; the rest is left for
-  activations, CUDA graphs and the CUDA context (sglang/srt/model_executor/model_runner.py,
-  profile_max_num_token). Unset, SGLang picks it by TP size; we use its 0.4.x rule (server_args.py:
-  0.88 at tp 1, 0.87 tp 2, 0.85 tp 4, 0.81 tp 8).
-- vLLM: `gpu_memory_utilization` (default 0.9) x total memory is everything the instance may use;
-  the KV cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
-- embedded: no fraction; the slot cache (verify_slots x max_seq_len tokens) is allocated up front,
-  in host RAM on a CPU machine.
+How an engine splits a GPU (what `budget` means below) is its adapter's `memory_pool`, with the
+fraction the config sets (Knobs.mem_fraction) or the adapter's `default_memory_fraction(tp)`:
+- "static_fraction" (SGLang's mem_fraction_static): the fraction x total memory holds the weights and
+  the KV pool; the rest is left for activations, CUDA graphs and the CUDA context.
+- "utilization" (vLLM's gpu_memory_utilization): the fraction x total memory is everything the
+  instance may use; the KV cache gets what the weights, the activation peak and the CUDA graphs leave.
+- "slots" (the embedded engine): a KV cache of max_running x context tokens is allocated up front;
+  everything must fit the fraction of a GPU, or the available host RAM on a CPU machine.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
-from autotune.predict.knobs import WEIGHT_BYTES, Knobs, read_knobs
+from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.models import ModelSpec, load_model
 
 GB = 1e9
@@ -28,8 +28,6 @@ CUDA_CONTEXT_GB = 0.5
 # CUDA graphs of the decode batch sizes: vLLM logs "Graph capturing finished ... took 0.3-0.6 GiB" for
 # its default ~67 sizes on 7-8B models; SGLang's are of the same order.
 CUDA_GRAPH_GB = 0.5
-SGLANG_DEFAULT_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}
-VLLM_DEFAULT_UTILIZATION = 0.9
 # Tokens in one forward pass when the config leaves it to the engine: SGLang's chunked_prefill_size
 # and vLLM V1's max_num_batched_tokens for the API server on large GPUs are both 8192.
 DEFAULT_BATCH_TOKENS = 8192
@@ -56,14 +54,6 @@ class MemoryEstimate:
         """Sequences of `context_len` tokens the KV pool holds at once."""
         return self.kv_tokens // max(1, context_len or self.context_len)
 
-    @property
-    def need_gb(self) -> float:
-        return sum(self.detail.values())
-
-    @property
-    def have_gb(self) -> float:
-        return self.total_gb
-
     def record(self) -> dict:
         """The numbers a pruned or launched trial keeps (rounded, JSON-ready)."""
         return {"fits": self.fits, "weights_gb": round(self.weights_gb, 3), "draft_gb": round(self.draft_gb, 3),
@@ -76,11 +66,12 @@ class MemoryEstimate:
 def weights_bytes(model: ModelSpec, k: Knobs) -> float:
     """Per GPU. Linear layers are sharded by TP at the quantized width; the embedding and the output head
     are sharded by vocabulary (VocabParallelEmbedding / ParallelLMHead) and stay 16-bit under FP8/int4
-    (engines leave lm_head unquantized). The embedded engine's int8 also quantizes the (tied) head."""
+    (engines leave lm_head unquantized), except where Knobs.quantized_head (the embedded engine's int8
+    keeps a quantized copy of the tied head)."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
     linear = model.layers * model.layer_params * k.weight_bytes
     embed = model.embedding_params * dense
-    if k.engine == "embedded" and k.weight_bytes < dense and model.tied_embeddings:
+    if k.quantized_head and k.weight_bytes < dense and model.tied_embeddings:
         embed += model.vocab * model.hidden * k.weight_bytes  # an int8 copy of the tied head
     return (linear + embed) / k.tp
 
@@ -123,7 +114,7 @@ def workspace_bytes(model: ModelSpec, k: Knobs) -> float:
     per_token = 4 * model.hidden + (2 * model.intermediate + (model.heads + 2 * model.kv_heads) * model.head_dim) / k.tp
     logits = (k.max_running or DEFAULT_MAX_RUNNING) * k.verify_tokens * model.vocab * 4
     graphs = CUDA_GRAPH_GB * GB if k.cuda_graphs else 0.0
-    context = CUDA_CONTEXT_GB * GB if k.engine != "embedded" or k.cuda_graphs else 0.0
+    context = CUDA_CONTEXT_GB * GB if k.cuda_context else 0.0
     return tokens * per_token * act + logits + graphs + context
 
 
@@ -144,15 +135,15 @@ def _available_ram_gb() -> float:
 
 
 # -- the estimate -----------------------------------------------------------------------------------
-def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, engine: str | None = None,
+def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *, engine: Engine,
                    draft: ModelSpec | None = None, context_len: int | None = None) -> MemoryEstimate:
-    """Does `config` fit on `num_gpus` GPUs of `profile` (a hardware Profile; a CPU profile = host RAM),
-    and how many KV tokens are left? `context_len`: the longest sequence it must hold (default 4096 on
-    GPU engines, the embedded engine's 2048-token slots)."""
+    """Does `config` (of the engine adapter `engine`) fit on `num_gpus` GPUs of `profile` (a hardware
+    Profile; a CPU profile = host RAM), and how many KV tokens are left? `context_len`: the longest
+    sequence it must hold (default: the adapter's default_context_len)."""
     on_gpu = bool(profile is not None and profile.is_gpu)
-    engine = engine or engine_of(config)
-    k = read_knobs(config, engine, on_gpu)
-    context_len = context_len or (2048 if engine == "embedded" else 4096)
+    k = engine.knobs(config, on_gpu)
+    context_len = context_len or engine.default_context_len
+    fraction = k.mem_fraction or engine.default_memory_fraction(k.tp)
     total = gpu_memory_gb(profile) if on_gpu else _available_ram_gb()
     w = weights_bytes(model, k)
     dw, dkv, draft_note = draft_bytes(model, k, draft)
@@ -162,21 +153,22 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, e
     problems = []
     if k.tp > max(1, num_gpus):
         problems.append(f"tp {k.tp} needs {k.tp} GPUs, {num_gpus} given")
-    if engine == "embedded":
-        budget = total * (0.9 if on_gpu else 1.0)
+    if engine.memory_pool == "slots":
+        budget = total * (fraction if on_gpu else 1.0)
         slots = k.max_running or 4
         detail["kv cache"] = slots * context_len * kv_tok / GB
         kv_tokens = slots * context_len if sum(detail.values()) <= budget else 0
     else:
-        if engine == "sglang":
-            fraction = k.mem_fraction or SGLANG_DEFAULT_FRACTION.get(k.tp, 0.81)
+        if engine.memory_pool == "static_fraction":
             pool = fraction * total * GB - w - dw
             if ws > (1 - fraction) * total * GB:
                 problems.append(f"workspace {ws / GB:.2f} GB exceeds the {(1 - fraction) * total:.2f} GB that "
                                 f"mem_fraction_static {fraction:.2f} leaves outside the static pool")
-        else:
-            fraction = k.mem_fraction or VLLM_DEFAULT_UTILIZATION
+        elif engine.memory_pool == "utilization":
             pool = fraction * total * GB - w - dw - ws
+        else:
+            raise ValueError(f"the {engine.name} adapter's memory_pool {engine.memory_pool!r} is not one of "
+                             "static_fraction, utilization, slots")
         budget = fraction * total
         kv_tokens = max(0, int(pool // kv_tok)) if kv_tok else 0
         detail["kv cache"] = kv_tokens * kv_tok / GB
@@ -184,7 +176,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, e
             problems.insert(0, f"weights alone take {(w + dw) / GB:.2f} GB of the {budget:.2f} GB usable per GPU")
         elif kv_tokens < context_len:
             problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
-    if engine == "embedded" and sum(detail.values()) > budget:
+    if engine.memory_pool == "slots" and sum(detail.values()) > budget:
         problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
                         f"of {detail['kv cache']:.2f} GB")
     parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")
@@ -199,16 +191,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, e
                           budget_gb=budget, context_len=context_len, detail=detail)
 
 
-def engine_of(config: dict) -> str:
-    """Which engine's option names a config uses."""
-    if {"tp_size", "mem_fraction_static", "speculative_algorithm", "chunked_prefill_size"} & set(config):
-        return "sglang"
-    if {"tensor_parallel_size", "gpu_memory_utilization", "speculative_method", "max_num_seqs"} & set(config):
-        return "vllm"
-    return "embedded"
-
-
-# -- drop-in for autotune.space.constraints.estimate_memory ----------------------------------------
+# -- on a probed machine, the way the tuner holds the model -------------------------------------------
 def as_model(model) -> ModelSpec | None:
     """A ModelSpec from a ModelSpec, a preset name, a path, or constraints.ModelShape (its shapes only:
     hidden = heads x head_dim, vocabulary unknown, so every parameter counts as a layer weight)."""
@@ -222,12 +205,10 @@ def as_model(model) -> ModelSpec | None:
                      tied_embeddings=True)
 
 
-def estimate_memory(config: dict, hw, model, draft_model=None, max_seq_len: int | None = None,
-                    engine: str | None = None) -> MemoryEstimate | None:
-    """Same arguments as autotune.space.constraints.estimate_memory (config, probed Hardware, model shape,
-    draft shape); the model may also be a ModelSpec, preset or path. None when the model is unknown."""
-    from types import SimpleNamespace
-
+def estimate_memory(config: dict, hw, model, draft_model=None, max_seq_len: int | None = None, *,
+                    engine: Engine) -> MemoryEstimate | None:
+    """predict_memory on a probed Hardware (`hw`; None = a CPU machine) with the model as a ModelSpec,
+    preset, path or constraints.ModelShape; None when the model is unknown."""
     spec = as_model(model)
     if spec is None:
         return None

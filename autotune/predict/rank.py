@@ -8,20 +8,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from autotune.hardware import planned
+from autotune.predict.knobs import Engine
 from autotune.predict.memory import MemoryEstimate, predict_memory
 from autotune.predict.models import ModelSpec
 from autotune.predict.speed import SpeedEstimate, predict_speed
+from autotune.space.constraints import ModelShape, hardware_violations
 
-# The knobs the memory and speed model read, per engine; every other parameter keeps its default.
-MODELLED = {
-    "sglang": ("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
-               "speculative_eagle_topk", "speculative_num_draft_tokens"),
-    "vllm": ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens"),
-    "embedded": ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization"),
-}
-# Drafters that read extra layers from the target checkpoint (DeepSeek-style MTP): the presets do not
-# say which checkpoints carry them, so they are not offered.
-NEEDS_MTP_WEIGHTS = ("NEXTN", "mtp")
+# Drafter families that read extra layers from the target checkpoint (DeepSeek-style MTP): the presets
+# do not say which checkpoints carry them, so they are not offered.
+NEEDS_MTP_WEIGHTS = ("mtp",)
 
 
 @dataclass
@@ -47,9 +43,10 @@ def _values(param) -> list:
     return sorted({low, high, *powers} | ({param.default} if param.default is not None else set()))
 
 
-def candidate_configs(space) -> list[dict]:
-    """Every combination of the modelled knobs (inactive ones skipped), the rest at their defaults."""
-    names = [n for n in MODELLED.get(space.engine, ()) if n in space.params]
+def candidate_configs(space, engine: Engine) -> list[dict]:
+    """Every combination of the knobs the model reads (the adapter's `modelled`; inactive ones skipped),
+    every other parameter at its default."""
+    names = [n for n in engine.modelled if n in space.params]
     configs = [{}]
     for name in names:
         grown = []
@@ -63,42 +60,42 @@ def candidate_configs(space) -> list[dict]:
 
 
 def _hardware(profile, num_gpus: int):
-    from autotune.hardware import planned
-
     hw = planned(profile) if profile.is_gpu else None
     return dataclasses.replace(hw, gpus=hw.gpus * num_gpus) if hw is not None else None
 
 
-def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int = 10, *, concurrency: int = 1,
-                 context_len: int | None = None, alpha: float | None = None, draft: ModelSpec | None = None,
-                 has_draft_model: bool = False, calibration=None) -> list[tuple[dict, Prediction]]:
-    """The `top` configurations of `space` by predicted decode tok/s (at `concurrency` when > 1, else one
-    stream), each with its memory and speed prediction. Skipped: configs the engine's rules or the
+def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int = 10, *, engine: Engine,
+                 concurrency: int = 1, context_len: int | None = None, alpha: float | None = None,
+                 draft: ModelSpec | None = None, has_draft_model: bool = False,
+                 calibration=None) -> list[tuple[dict, Prediction]]:
+    """The `top` configurations of `space` (of the engine adapter `engine`) by predicted decode tok/s (at
+    `concurrency` when > 1, else one stream), each with its memory and speed prediction. Skipped: configs
+    the engine's rules or the
     hardware refuse, speculative algorithms needing a draft model when `has_draft_model` is False, and
     configs that do not fit memory. Speed is predicted at half of `context_len` cached tokens (a
     sequence's average while it grows to the length memory must hold)."""
-    from autotune.engines import get_adapter
-    from autotune.space.constraints import ModelShape, hardware_violations
-
-    adapter = get_adapter(space.engine)
+    if space.engine != engine.name:
+        raise ValueError(f"a {space.engine} search space ranked as {engine.name} configurations")
     hw = _hardware(profile, num_gpus)
     shape = ModelShape.of(model)
+    on_gpu = bool(profile.is_gpu)
     seen, ranked = set(), []
-    for config in candidate_configs(space):
-        algo = config.get("speculative_algorithm") or config.get("speculative_method")
-        if algo in NEEDS_MTP_WEIGHTS or adapter.check(config, hw, has_draft_model=has_draft_model):
+    for config in candidate_configs(space, engine):
+        if engine.check(config, hw, has_draft_model=has_draft_model):
             continue
-        if hw is not None and hardware_violations(config, hw, shape):
+        if engine.knobs(config, on_gpu).drafter in NEEDS_MTP_WEIGHTS:
             continue
-        key = repr(sorted(adapter.effective(config).items()))
+        if hw is not None and hardware_violations(config, hw, shape, adapter=engine):
+            continue
+        key = repr(sorted(engine.effective(config).items()))
         if key in seen:
             continue
         seen.add(key)
-        memory = predict_memory(model, config, profile, num_gpus, engine=space.engine, draft=draft,
+        memory = predict_memory(model, config, profile, num_gpus, engine=engine, draft=draft,
                                 context_len=context_len)
         if not memory.fits:
             continue
-        speed = predict_speed(model, config, profile, num_gpus, engine=space.engine, concurrency=concurrency,
+        speed = predict_speed(model, config, profile, num_gpus, engine=engine, concurrency=concurrency,
                               context_len=memory.context_len // 2, alpha=alpha, draft=draft,
                               calibration=calibration, max_sequences=memory.max_sequences())
         ranked.append((config, Prediction(memory, speed)))
@@ -106,27 +103,24 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
     return ranked[:top]
 
 
-def launch_command(engine: str, config: dict, model: str | None, draft_model: str | None = None,
+def launch_command(engine: Engine, config: dict, model: str | None, draft_model: str | None = None,
                    host: str = "127.0.0.1", port: int = 30000) -> str:
-    """The engine's launch command for `config` as one shell line (environment first, quoted)."""
-    from autotune.engines import get_adapter
-
-    argv, env = get_adapter(engine).command(config, model=model, draft_model=draft_model, host=host, port=port)
+    """The engine adapter's launch command for `config` as one shell line (environment first, quoted)."""
+    argv, env = engine.command(config, model=model, draft_model=draft_model, host=host, port=port)
     argv = ["python3" if a == sys.executable else a for a in argv]
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(argv)])
 
 
-def model_argument(model: ModelSpec, given: str, engine: str) -> str | None:
-    """What the engine is told to load: a path as given; for a preset, its Hugging Face repo (the embedded
-    engine loads local files only: its bundled SmolLM2 for that preset, None = its default)."""
+def model_argument(model: ModelSpec, given: str, engine: Engine) -> str | None:
+    """What the engine is told to load: a path as given; for a preset, what the adapter's preset_model
+    makes of it and its Hugging Face repo (None: the engine's default model)."""
     marker = "huggingface.co/"
     if Path(given).exists():
         return given
-    if engine == "embedded":
-        return None if model.name == "smollm2-135m" else given
+    hub = None
     if model.source.startswith("https://") and marker in model.source:
-        return "/".join(model.source.split(marker, 1)[1].split("/")[:2])
-    return given
+        hub = "/".join(model.source.split(marker, 1)[1].split("/")[:2])
+    return engine.preset_model(model.name, hub, given)
 
 
 def changed(config: dict, space) -> dict:

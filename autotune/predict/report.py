@@ -4,19 +4,19 @@ from __future__ import annotations
 import io
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from autotune.hardware import probe
+from autotune.predict.knobs import Engine
 from autotune.predict.models import load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
+from autotune.space import load_space
 
 
-def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: str, draft_model: str | None,
+def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engine, draft_model: str | None,
                     alpha: float | None, concurrency: int, context_len: int | None, top: int, as_json: bool) -> str:
-    """Raises ValueError (one line) for anything unusable."""
-    from autotune.engines import ENGINES
-    from autotune.hardware import probe
-    from autotune.space import load_space
-
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    """`engine`: the engine's adapter. Raises ValueError (one line) for anything unusable."""
     if alpha is not None and not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     if concurrency < 1 or top < 1 or (num_gpus is not None and num_gpus < 1) or (context_len is not None and context_len < 1):
@@ -33,23 +33,20 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: str, 
     gpus = num_gpus or max(1, hardware.gpu_count)
     if profile is None:
         raise ValueError("no hardware profile matches this machine's GPU; pass --gpu <profile>")
-    space = load_space(engine)
-    ranked = rank_configs(space, spec, profile, gpus, top, concurrency=concurrency, context_len=context_len,
-                          alpha=alpha, draft=draft, has_draft_model=bool(draft_model))
+    space = load_space(engine.name)
+    ranked = rank_configs(space, spec, profile, gpus, top, engine=engine, concurrency=concurrency,
+                          context_len=context_len, alpha=alpha, draft=draft, has_draft_model=bool(draft_model))
     target = model_argument(spec, model, engine)
     rows = [{"rank": i + 1, "config": config, "changed": changed(config, space), **prediction.to_dict(),
              "launch": launch_command(engine, config, target, draft_model)} for i, (config, prediction) in enumerate(ranked)]
     where = f"{gpus} x {profile.name}"
     if as_json:
-        return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine,
+        return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine.name,
                            "concurrency": concurrency, "configs": rows}, indent=2, default=str)
-    return _table(rows, spec.name, where, engine, concurrency, profile)
+    return _table(rows, spec.name, where, engine.name, concurrency, profile)
 
 
 def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile) -> str:
-    from rich.console import Console
-    from rich.table import Table
-
     title = (f"PREDICTED (not measured): {model} on {where}, {engine}, ranked by "
              + (f"tok/s at concurrency {concurrency}" if concurrency > 1 else "single-stream tok/s"))
     table = Table(title=title)

@@ -17,11 +17,10 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from autotune.predict.knobs import WEIGHT_BYTES, Knobs, read_knobs
+from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.memory import (
     EAGLE3_DRAFT_VOCAB,
     UNKNOWN_DRAFT_FRACTION,
-    engine_of,
     kv_bytes_per_token,
     weights_bytes,
 )
@@ -53,7 +52,6 @@ CPU_GFLOPS_PER_CORE = 25.0  # fp32 AVX2 FMA at ~2 GHz, half of the theoretical 6
 CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, layer_overhead_s=200e-6)
 # All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
 NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
-DEFAULT_GRAPH_MAX_BS = {"sglang": 256, "vllm": 512}
 
 
 @dataclass(frozen=True)
@@ -178,21 +176,20 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
 
 def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
                 draft: ModelSpec | None = None) -> list[Pass]:
-    graph_max = k.graph_max_bs or DEFAULT_GRAPH_MAX_BS.get(k.engine, 0)
-    eager = not (k.cuda_graphs and batch <= graph_max)
+    eager = not (k.cuda_graphs and batch <= (k.graph_max_bs or 0))
     verify = target_pass(model, k, profile, batch, batch * k.verify_tokens, context, eager)
     return [verify, *draft_passes(model, k, profile, batch, context, eager, draft)]
 
 
 # -- the estimate -----------------------------------------------------------------------------------
-def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *, engine: str | None = None,
+def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *, engine: Engine,
                   concurrency: int = 1, context_len: int = 1024, alpha: float | None = None,
                   draft: ModelSpec | None = None, calibration=None, max_sequences: int | None = None) -> SpeedEstimate:
-    """Decode tok/s for one stream and at `concurrency` streams of `context_len` cached tokens.
+    """Decode tok/s of `config` (of the engine adapter `engine`) for one stream and at `concurrency`
+    streams of `context_len` cached tokens.
     `alpha` overrides the per-token acceptance (else the calibration's, else ALPHA_PRIORS);
     `max_sequences` caps the batch (the KV pool's sequences, from predict_memory)."""
-    engine = engine or engine_of(config)
-    k = read_knobs(config, engine, bool(profile is not None and profile.is_gpu))
+    k = engine.knobs(config, bool(profile is not None and profile.is_gpu))
     coef = calibration.coefficients if calibration is not None else default_coefficients(profile)
     if alpha is None and k.drafter:
         alpha = (calibration.alphas.get(k.drafter) if calibration is not None else None) or ALPHA_PRIORS[k.drafter]

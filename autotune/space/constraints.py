@@ -3,16 +3,15 @@
 Cross-flag rules of one engine live in its adapter (`autotune/engines/<engine>.py: check`); what
 depends on the machine and the model lives here: FP8 only where the GPU has it (natively on
 cc >= 8.9, weight-only through Marlin W8A16 on Ampere), tensor parallelism dividing the GPU count
-and the model's attention heads, CUDA graphs only on CUDA.
+and the model's attention heads, CUDA graphs only on CUDA. The engine adapter (`adapter`) says
+which config key is its tensor-parallel size (`tp_key`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from autotune.space.space import Space
-
-TP_NAMES = ("tp_size", "tensor_parallel_size")
 
 
 @dataclass
@@ -29,16 +28,6 @@ class ModelShape:
         return cls(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params))
 
 
-def model_shape(path: str | Path | None) -> ModelShape | None:
-    """Layer/head counts and parameter count of a GGUF file, HF checkpoint dir or preset (None if unknown)."""
-    from autotune.predict import load_model  # reads (and caches) the same header or config.json
-
-    try:
-        return ModelShape.of(load_model(path))
-    except ValueError:
-        return None
-
-
 # -- the machine -------------------------------------------------------------------------------------
 def _gpu_count(hw) -> int:
     return int(getattr(hw, "gpu_count", 0) or 0)
@@ -49,9 +38,8 @@ def _fp8_mode(hw) -> str:
     return getattr(profile, "fp8_mode", "none") if profile is not None and _gpu_count(hw) else "none"
 
 
-def _cpu_cores(hw) -> int:
-    import os
-
+def cpu_cores(hw) -> int:
+    """The probed machine's CPU cores (this process's view when the probe has none)."""
     cpu = getattr(hw, "cpu", None)
     return int(getattr(cpu, "cores", 0) or os.cpu_count() or 1)
 
@@ -64,18 +52,18 @@ def _fp8_allowed(value: str, mode: str) -> bool:
     return mode == "native" or (weight_only and mode == "marlin_w8a16")
 
 
-def hardware_violations(config: dict, hw, shape: ModelShape | None) -> list[str]:
-    """Why this configuration cannot run on this machine with this model (empty if it can)."""
+def hardware_violations(config: dict, hw, shape: ModelShape | None, *, adapter) -> list[str]:
+    """Why this configuration of the engine `adapter` cannot run on this machine with this model (empty
+    if it can)."""
     out = []
     gpus, mode = _gpu_count(hw), _fp8_mode(hw)
     for key in ("quantization", "kv_cache_dtype"):
         value = config.get(key)
         if value is not None and not _fp8_allowed(value, mode):
             out.append(f"{key}={value} needs FP8 support; this machine's FP8 mode is {mode!r}")
-    for key in TP_NAMES:
-        tp = config.get(key)
-        if tp is None or tp == 1:
-            continue
+    key = adapter.tp_key
+    tp = config.get(key) if key else None
+    if tp is not None and tp != 1:
         if tp > gpus or gpus % tp:
             out.append(f"{key}={tp} does not divide the GPU count {gpus}")
         if shape and shape.n_heads % tp:
@@ -84,7 +72,7 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None) -> list[str]
         out.append("quantization gguf (the embedded engine's GGUF block kernels) runs on the CPU; this machine's engine runs on its GPU")
     if config.get("cuda_graph_batch_sizes") and not gpus:
         out.append("cuda_graph_batch_sizes need a CUDA GPU; this machine has none")
-    threads, cores = config.get("threads"), _cpu_cores(hw)
+    threads, cores = config.get("threads"), cpu_cores(hw)
     if threads and threads > cores:
         out.append(f"threads={threads} exceeds the {cores} CPU cores")
     layers = config.get("early_exit_layers")
@@ -93,8 +81,9 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None) -> list[str]
     return out
 
 
-def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str | None) -> Space:
-    """Drop choices that can never run here, so the sampler does not spend trials on them.
+def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str | None, *, adapter) -> Space:
+    """Drop choices of the engine `adapter`'s space that can never run here, so the sampler does not
+    spend trials on them.
 
     Parameters the user pinned are left alone: a pin that cannot run is pruned (with its reason)
     when the trial is checked, which tells the user why.
@@ -117,10 +106,10 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
         # (every compile trial of a default run timed out): offered only where it can pay off.
         narrow("compile", choices=["none"], fixed="none")
     if "threads" in params:
-        narrow("threads", high=min(params["threads"].high, _cpu_cores(hw)))
-    for name in TP_NAMES:
-        if name in params and params[name].type == "int":
-            narrow(name, high=max(1, min(params[name].high, _gpu_count(hw))))
+        narrow("threads", high=min(params["threads"].high, cpu_cores(hw)))
+    tp = adapter.tp_key
+    if tp in params and params[tp].type == "int":
+        narrow(tp, high=max(1, min(params[tp].high, _gpu_count(hw))))
     if "early_exit_layers" in params and shape:
         narrow("early_exit_layers", high=min(params["early_exit_layers"].high, shape.n_layers - 1))
     return replace(space, params=params)
