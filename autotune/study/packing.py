@@ -15,7 +15,7 @@ import os
 import re
 import threading
 
-TP_NAMES = ("tp_size", "tensor_parallel_size")  # as in autotune/space/constraints.py
+from autotune.engines.launcher import free_port, release_port
 
 
 class Cancelled(Exception):
@@ -58,11 +58,10 @@ def usable_gpus(hardware, environ=os.environ) -> list[int]:
     return [i for i in indices if str(i) in entries]
 
 
-def gpus_needed(config: dict, machine_has_gpus: bool) -> int:
-    """GPUs one trial of `config` occupies: its tensor-parallel size on a GPU machine, none on a CPU."""
-    if not machine_has_gpus:
-        return 0
-    return int(next((config[k] for k in TP_NAMES if config.get(k)), 1))
+def gpus_needed(config: dict, machine_has_gpus: bool, adapter) -> int:
+    """GPUs one trial of `config` occupies: its tensor-parallel size (the engine adapter's `tp_size`)
+    on a GPU machine, none on a CPU."""
+    return adapter.tp_size(config) if machine_has_gpus else 0
 
 
 def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
@@ -156,8 +155,6 @@ class PortBook:
         self.lock = threading.Lock()
 
     def reserve(self) -> int:
-        from autotune.engines.launcher import free_port
-
         with self.lock:
             port = free_port()
             while port in self.taken:
@@ -166,8 +163,6 @@ class PortBook:
             return port
 
     def release(self, port: int | None) -> None:
-        from autotune.engines.launcher import release_port
-
         with self.lock:
             self.taken.discard(port)
         release_port(port)
@@ -175,10 +170,11 @@ class PortBook:
 
 class Slot:
     """What one of the concurrent trial runners holds while its engine server runs: GPUs and a port.
-    `driver.Servers(p, slot=...)` asks for both before a launch and gives them back when it stops."""
+    `Servers(p, slot=...)` asks for both before a launch and gives them back when it stops. `adapter`:
+    the engine's, which says how many GPUs a config spans."""
 
-    def __init__(self, pool: GpuPool, ports: PortBook, cancelled=lambda: False):
-        self.pool, self.ports, self.cancelled = pool, ports, cancelled
+    def __init__(self, pool: GpuPool, ports: PortBook, cancelled=lambda: False, *, adapter):
+        self.pool, self.ports, self.cancelled, self.adapter = pool, ports, cancelled, adapter
         self.gpus: tuple[int, ...] = ()
         self.held_port: int | None = None
 
@@ -191,7 +187,7 @@ class Slot:
         """GPUs for `config` (waits for them); the environment that confines the engine to them."""
         self.pool.release(self.gpus)
         self.gpus = ()
-        self.gpus = self.pool.acquire(gpus_needed(config, bool(self.pool.gpus)), self.cancelled)
+        self.gpus = self.pool.acquire(gpus_needed(config, bool(self.pool.gpus), self.adapter), self.cancelled)
         return visible_devices(self.gpus)
 
     def release(self) -> None:
