@@ -1,6 +1,8 @@
 """Hardware probing: real and spec-sheet fixtures classify right; this CPU machine probes for real."""
 
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,32 +60,53 @@ def test_h200_classifies_from_nvidia_smi_text_alone(tmp_path):
     assert hw.driver_version == "580.159.04" and hw.cuda_driver_version == "13.0"
 
 
+def h200_capture(name=None, power_max_w=None, memory_gib=None, power_limit_w=None) -> dict:
+    """The real H200 SXM capture's evidence (NVML answers as gather() recorded them), with the facts
+    that decide a board changed: a board we have no capture of, built from one we have."""
+    evidence = json.loads((FIXTURES / "h200-sxm-1gpu" / "probe.json").read_text())
+    device = evidence["devices"][0]
+    if name is not None:
+        device["nvmlDeviceGetName"] = name
+    if power_max_w is not None:  # the board's range, as the 2-GPU capture's driver reports it
+        device["nvmlDeviceGetPowerManagementLimitConstraints"] = [200_000, power_max_w * 1000]
+    if power_limit_w is not None:
+        device["nvmlDeviceGetEnforcedPowerLimit"] = device["nvmlDeviceGetPowerManagementLimit"] = power_limit_w * 1000
+    if memory_gib is not None:
+        device["nvmlDeviceGetMemoryInfo"]["total"] = int(memory_gib * 2**30)
+    return evidence
+
+
+# The synthetic spec-sheet fixtures are built from the same sheets as the profiles, so "fixture X
+# classifies as profile X" proves nothing. What can be wrong is the decision itself: which measured fact
+# rules a profile out. These cases move one fact of the real capture across a profile's boundary.
 @pytest.mark.parametrize(
-    "fixture, profile, form_factor, gpus, nvlink_links, fp8",
+    "changes, profile, form_factor, why",
     [
-        ("a100-sxm4-80gb-8gpu", "a100-80gb-sxm4", "sxm", 8, 12, "marlin_w8a16"),
-        ("a100-sxm4-40gb-1gpu", "a100-40gb-sxm4", "sxm", 1, 0, "marlin_w8a16"),
-        ("a100-80gb-pcie-1gpu", "a100-80gb-pcie", "pcie", 1, 0, "marlin_w8a16"),
-        ("h100-sxm5-1gpu", "h100-sxm5", "sxm", 1, 0, "native"),
-        ("h100-pcie-1gpu", "h100-pcie", "pcie", 1, 0, "native"),
-        ("h200-nvl-1gpu", "h200-nvl", "nvl", 1, 0, "native"),
-        ("rtx-a6000-2gpu-nvlink-bridge", "rtx-a6000", "pcie", 2, 4, "marlin_w8a16"),
-        ("rtx-3090-1gpu", "rtx-3090", "pcie", 1, 0, "marlin_w8a16"),
-        ("l40s-1gpu", "l40s", "pcie", 1, None, "native"),
+        ({}, "h200-sxm", "sxm", "700 W > 600 W"),  # the capture as it is: no SXM in the name, the power decides
+        ({"power_limit_w": 350, "power_max_w": 700}, "h200-sxm", "sxm", "700 W > 600 W"),  # capped: its ceiling counts
+        ({"power_max_w": 600}, None, "pcie", "h200-sxm: power limit 600 W outside 601-1000; form factor pcie"),
+        ({"name": "NVIDIA H200 NVL", "power_max_w": 600}, "h200-nvl", "nvl", "the name says NVL"),
+        ({"name": "NVIDIA H200 NVL"}, None, "nvl", "h200-nvl: power limit 700 W outside 300-600; h200-sxm: form factor nvl"),
+        ({"memory_gib": 80}, None, "sxm", "h200-sxm: memory 80.0 GiB outside 135-145"),
+        ({"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.6}, "h100-sxm5", "sxm", "700 W > 600 W"),
     ],
 )
-def test_spec_sheet_fixtures_classify(fixture, profile, form_factor, gpus, nvlink_links, fp8):
-    hw = classify_from_fixture(FIXTURES / fixture)
-    assert hw.gpu_count == gpus
-    assert hw.profile is not None and hw.profile.name == profile, hw.notes
-    assert hw.profile.fp8_mode == fp8
-    for gpu in hw.gpus:
-        assert gpu.form_factor == form_factor, gpu.evidence["form_factor"]
-        assert gpu.nvlink_active_links == (nvlink_links or 0)
-        assert (
-            gpu.sm_count == hw.profile.sm_count
-        )  # NVML core count / cores per SM agrees with the spec sheet
-        assert gpu.compute_capability == hw.profile.compute_capability
+def test_one_measured_fact_decides_the_profile(changes, profile, form_factor, why):
+    hw = probe_from_evidence(h200_capture(**changes))
+    gpu = hw.gpus[0]
+    assert gpu.form_factor == form_factor, gpu.evidence["form_factor"]
+    assert (hw.profile.name if hw.profile else None) == profile, hw.notes
+    assert why in gpu.evidence["form_factor"] + " | " + " | ".join(hw.notes)
+
+
+def test_synthetic_fixtures_parse_links_and_form_factor():
+    # What the synthetic fixtures can still check: facts parsed from NVML's answers (not from a profile).
+    for fixture, gpus, form_factor, links in [("a100-sxm4-80gb-8gpu", 8, "sxm", 12),
+                                              ("rtx-a6000-2gpu-nvlink-bridge", 2, "pcie", 4),
+                                              ("l40s-1gpu", 1, "pcie", 0), ("h200-nvl-1gpu", 1, "nvl", 0)]:
+        hw = classify_from_fixture(FIXTURES / fixture)
+        assert hw.gpu_count == gpus and {(g.form_factor, g.nvlink_active_links) for g in hw.gpus} == {
+            (form_factor, links)}, fixture
 
 
 def test_eight_a100s_on_nvswitch_topology_from_text_and_from_nvml(tmp_path):
@@ -184,19 +207,47 @@ def test_unknown_profile_is_a_one_line_error_listing_the_known_ones():
     assert all(name in message for name in load_profiles())
 
 
-def test_cli_probe_json_reports_this_cpu_machine():
-    done = subprocess.run(
-        ["autotune", "probe", "--json"], capture_output=True, text=True, timeout=60, check=False
-    )
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
+    cores = len(os.sched_getaffinity(0))
+    quota = Path("/sys/fs/cgroup/cpu.max")
+    if quota.exists() and quota.read_text().split()[0].isdigit():
+        limit, period = map(int, quota.read_text().split())
+        cores = min(cores, max(1, int(limit / period)))
+    return cores
+
+
+def probe_json(*args) -> dict:
+    done = subprocess.run(["autotune", "probe", "--json", *args], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_cli_probe_json_measures_this_machine_as_a_cpu_machine():
+    # --gpu cpu: the CPU profile because the test asks for it, whether or not this machine has GPUs.
+    report = probe_json("--gpu", "cpu")
     assert report["profile"]["name"] == "cpu" and report["gpu_count"] == 0 and report["source"] == "measured"
+    assert "GPUs not probed: --gpu cpu asks for the CPU profile" in report["notes"]
     cpu = report["cpu"]
-    assert cpu["cores"] >= 1 and cpu["ram_gb"] > 0 and cpu["model"]
+    assert cpu["cores"] == usable_cores() and cpu["model"]
+    mem_total_kib = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
+    assert 0 < cpu["ram_gb"] <= round(mem_total_kib / 2**20, 1)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists():
         assert f"[{cpu['thp_mode']}]" in thp.read_text()
-    assert any(note.startswith("NVML") for note in report["notes"])
+
+
+def test_cli_probe_json_auto_counts_the_gpus_nvml_sees():
+    try:  # asked independently of the probe
+        pynvml.nvmlInit()
+        gpus = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        gpus = 0
+    report = probe_json()
+    assert report["gpu_count"] == gpus and report["source"] == "measured"
+    assert (report["profile"] is not None and report["profile"]["name"] == "cpu") == (gpus == 0)
+    assert report["cpu"]["cores"] == usable_cores()
 
 
 def test_cli_unknown_gpu_exits_2_with_one_line():
