@@ -19,73 +19,44 @@ and the tuner would reuse them for any configuration it has seen.
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 
-OK, CHANGED, BAD_INPUT = 0, 1, 2
+import optuna
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune import export, provenance, validate
+from autotune.bench import load_workload, parse_slo
+from autotune.bench.runner import measure_server
+from autotune.engines import get_adapter
+from autotune.engines.base import flag_lines
+from autotune.engines.launcher import LaunchError, launch
+from autotune.hardware import probe
+from autotune.space.space import SpaceError, load_space
+from autotune.study import loop, objectives, plan, record, storage
+from autotune.study.storage import load_study
+
+OK, CHANGED = 0, 1
 WARM_START_TOP = 5
-FAILED = ("failed",)  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
+FAILED = (record.FAILED,)  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
 
 
-# -- fingerprint -----------------------------------------------------------------------------------
-def engine_version(engine: str) -> str | None:
-    from importlib import metadata
-
-    from autotune import __version__
-
-    if engine == "embedded":  # the embedded engine ships inside autotune
-        return __version__
-    try:
-        return metadata.version(engine)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def fast_dtypes(hardware) -> list[str]:
-    """Reduced-precision dtypes this machine runs natively (CUDA capability, else CPU ISA flags)."""
-    import torch
-
-    if hardware.gpus and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        return [d for d, ok in (("bfloat16", torch.cuda.is_bf16_supported()), ("float16", True),
-                                ("float8", (major, minor) >= (8, 9))) if ok]
-    flags = set((hardware.cpu.isa_flags if hardware.cpu else []) or [])
-    return [d for d, isa in (("bfloat16", {"avx512_bf16", "amx_bf16"}), ("float16", {"avx512_fp16", "amx_fp16"}))
-            if flags & isa]
-
-
-def fingerprint(engine: str, model: str | None, draft_model: str | None = None, hardware=None) -> dict:
-    """What decides whether a tuned configuration still holds on this machine."""
-    import torch
-
-    from autotune.hardware import probe
-    from autotune.study.storage import _digest
-
-    hw = hardware or probe()
-    fp = {"gpus": sorted(g.name or "?" for g in hw.gpus), "driver": hw.driver_version, "cuda": hw.cuda_driver_version,
-          "nvml": hw.nvml_version, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-          "engine": engine, "engine_version": engine_version(engine),
-          "model_sha256": _digest(model), "draft_model_sha256": _digest(draft_model) if draft_model else None}
-    if engine == "embedded":
-        fp.update(cpu=hw.cpu.model if hw.cpu else None, torch_threads=torch.get_num_threads(), fast_dtypes=fast_dtypes(hw))
-    return fp
-
-
+# -- fingerprint (autotune/provenance.py computes it) -------------------------------------------------
 def recorded_fingerprint(provenance: dict) -> dict:
     """The fingerprint a study recorded: written by `autotune ci` itself, else read off provenance.json."""
     if provenance.get("fingerprint"):
         return provenance["fingerprint"]
     hw, versions = provenance.get("hardware") or {}, provenance.get("versions") or {}
-    engine = provenance.get("engine") or "embedded"
+    adapter = get_adapter(provenance.get("engine") or "embedded")
     fp = {"gpus": sorted(g.get("name") or "?" for g in hw.get("gpus") or []), "driver": hw.get("driver_version"),
           "cuda": hw.get("cuda_driver_version"), "nvml": hw.get("nvml_version"), "torch": versions.get("torch"),
-          "torch_cuda": versions.get("cuda"), "engine": engine,
-          "engine_version": versions.get("autotune") if engine == "embedded" else (hw.get("versions") or {}).get(engine),
+          "torch_cuda": versions.get("cuda"), "engine": adapter.name,
+          "engine_version": adapter.recorded_version(provenance),
           "model_sha256": provenance.get("model_sha256"), "draft_model_sha256": provenance.get("draft_model_sha256")}
-    if engine == "embedded":
+    if "cpu" in adapter.fingerprint_keys:
         fp["cpu"] = (hw.get("cpu") or {}).get("model")
     return fp
 
@@ -99,57 +70,25 @@ def compare(recorded: dict, current: dict) -> tuple[list[dict], list[str]]:
 
 # -- the stored command ----------------------------------------------------------------------------
 def stored_command(best_dir: Path) -> tuple[list[str], dict[str, str], str]:
-    """(argv, env, source) of the exported configuration: launch.json, else parsed from launch.sh.
-    A Python module is run by this Python (CI images move the interpreter; launch.sh has $PYTHON for it)."""
-    launch_json, launch_sh = best_dir / "launch.json", best_dir / "launch.sh"
-    if launch_json.exists():
-        doc = json.loads(launch_json.read_text())
-        argv = [str(a) for a in doc["argv"]]
-        if len(argv) > 2 and argv[1] == "-m":
-            argv[0] = sys.executable
-        return argv, {k: str(v) for k, v in (doc.get("env") or {}).items()}, str(launch_json)
-    if not launch_sh.exists():
-        raise ValueError(f"nothing exported in {best_dir} (no launch.json or launch.sh): run `autotune export` first")
-    env, lines, body = {}, launch_sh.read_text().splitlines(), None
-    for i, line in enumerate(lines):
-        if line.startswith("export "):
-            name, _, value = shlex.split(line)[1].partition("=")
-            env[name] = value
-        elif line.startswith("exec "):
-            body = " ".join(part.rstrip("\\").strip() for part in lines[i:])
-            break
-    if body is None:
-        raise ValueError(f"{launch_sh} has no exec line: not a script written by `autotune export`")
-    words = {"$PYTHON": sys.executable, "$HOST": "127.0.0.1", "$PORT": "0"}
-    argv = [words.get(w, w) for w in shlex.split(body)[1:] if w != "$@"]
-    return argv, env, str(launch_sh)
-
-
-def at_address(argv: list[str], port: int) -> list[str]:
-    """The command bound to 127.0.0.1:port."""
-    out = list(argv)
-    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
-        if flag in out[:-1]:
-            out[out.index(flag) + 1] = value
-        else:
-            out += [flag, value]
-    return out
+    """(argv, env, source) of the exported configuration, from best/launch.json (what `autotune export`
+    writes for machines; launch.sh says the same for people)."""
+    launch_json = best_dir / "launch.json"
+    if not launch_json.exists():
+        raise ValueError(f"nothing exported in {best_dir} (no launch.json): run `autotune export` first")
+    doc = json.loads(launch_json.read_text())
+    argv = [str(a) for a in doc["argv"]]
+    if len(argv) > 2 and argv[1] == "-m":  # a Python module: run by this Python (CI images move the interpreter)
+        argv[0] = sys.executable
+    return argv, {k: str(v) for k, v in (doc.get("env") or {}).items()}, str(launch_json)
 
 
 def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
     """Launch the stored command; on a failed start, retry once with renamed flags translated.
     Returns (launcher or None, argv used, translation notes, failure or None)."""
-    from autotune.engines.launcher import Launcher, LaunchError, free_port
-
     notes, failure = [], None
     for attempt in range(2):
-        port = free_port()
-        cmd = at_address(argv, port)
-        base = f"http://127.0.0.1:{port}"
-        server = Launcher(cmd, env=env, log_path=log, health_url=adapter.health_url(base), base_url=base)
         try:
-            server.start(timeout=timeout_s)
-            return server, argv, notes, None
+            return launch(adapter, argv=argv, env=env, log_path=log, timeout_s=timeout_s), argv, notes, None
         except LaunchError as e:
             failure = f"launch {e.kind}: {e.message}"
         if attempt == 0:
@@ -164,8 +103,6 @@ def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
 # -- the re-check ----------------------------------------------------------------------------------
 def reference(ctx) -> dict:
     """The validated numbers and the load they were measured with (unvalidated: the study's trial)."""
-    from autotune import validate
-
     metric, direction = ctx.primary()
     path = ctx.best_dir / "validation.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
@@ -183,14 +120,7 @@ def reference(ctx) -> dict:
 
 def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0, console=None) -> dict:
     """Launch the exported best, benchmark it `repeats` times; {verdict: ok|regressed|broken, ...}."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from autotune.bench import load_workload, parse_slo, run_benchmark
-    from autotune.engines import get_adapter
-    from autotune.study.driver import _json_ready
-    from autotune.validate import spread
-
-    adapter = get_adapter(ctx.engine)
+    adapter = ctx.adapter
     argv, env, source = stored_command(ctx.best_dir)
     log = ctx.directory / "ci" / "logs" / f"recheck-{time.strftime('%Y%m%d-%H%M%S')}.log"
     out = {"source": source, "argv": argv, "log": str(log), "runs": []}
@@ -207,10 +137,8 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
                       console=console, transient=True, disable=console is None) as bar:
             task = bar.add_task("", total=repeats)
             for r in range(repeats):
-                result = run_benchmark(server.base_url, workload, concurrency=s.get("concurrency"), seed=s.get("seed", 0),
-                                       num_requests=s.get("num_requests"), max_tokens=s.get("max_tokens"),
-                                       server_pid=server.proc.pid, progress=False)
-                run = _json_ready(result.summary)
+                run, _ = measure_server(server, workload, concurrency=s.get("concurrency"), seed=s.get("seed", 0),
+                                        num_requests=s.get("num_requests"), max_tokens=s.get("max_tokens"))
                 out["runs"].append({k: run.get(k) for k in ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95",
                                                              "completed", "error_rate", "errors_by_kind")})
                 bar.advance(task)
@@ -222,7 +150,7 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
                     break
     finally:
         server.stop()
-    median = spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
+    median = validate.spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
     out["median"] = median
     if median is None or any(p.startswith(("server exited", "repeat")) for p in problems):
         return {**out, "verdict": "broken", "reason": "; ".join(problems) or f"no {ref['metric']} measured"}
@@ -240,11 +168,9 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
 
 def refresh_provenance(ctx, fp: dict, hardware, record: dict, recorded: dict) -> dict:
     """provenance.json describes this environment now; what it described before stays under ci.previous."""
-    from autotune.study import storage
-
     path = ctx.directory / "provenance.json"
     old = ctx.provenance
-    new = storage.write_provenance(path, hardware=hardware, engine=ctx.engine, model=old.get("model"),
+    new = provenance.write(path, hardware=hardware, adapter=ctx.adapter, model=old.get("model"),
                                    draft_model=old.get("draft_model"), workload=old.get("workload") or ctx.workload,
                                    space_source=old.get("space"))
     doc = {**old, **new, "fingerprint": fp,
@@ -256,23 +182,17 @@ def refresh_provenance(ctx, fp: dict, hardware, record: dict, recorded: dict) ->
 # -- the re-tune -----------------------------------------------------------------------------------
 def warm_start_source(ctx):
     """The study the exported configuration came from: the original, or the last re-tune of it."""
-    from autotune import validate
-
     launch = ctx.best_dir / "launch.json"
     name = json.loads(launch.read_text()).get("study") if launch.exists() else None
     directory = ctx.directory / "ci" / str(name)
     if name and name != ctx.name and directory.exists():
-        return validate.open_study(directory, ctx.storage)
+        return load_study(directory, ctx.storage)
     return ctx
 
 
 def recorded_space(source) -> dict:
     """The narrowing a study ran under (its --set/--space), read off its trials: what Optuna was asked
     (distributions) keeps its choices or range; what was never asked yet always had one value was pinned."""
-    import optuna
-
-    from autotune.space.space import SpaceError, load_space
-
     space = load_space(source.engine)
     trials = source.study.get_trials(deepcopy=False)
     asked = {name: d for t in trials for name, d in t.distributions.items()}
@@ -300,12 +220,6 @@ def recorded_space(source) -> dict:
 def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WARM_START_TOP, console=None) -> dict:
     """A new study in the same storage, warm-started from the last one; validated. Returns
     {study, directory, enqueued, remembered_failures, validation, outcome}."""
-    import optuna
-    import yaml
-
-    from autotune import validate
-    from autotune.study import driver, objectives, storage
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     source = warm_start_source(ctx)
     s = ref["settings"]
@@ -314,22 +228,22 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
     narrowing.parent.mkdir(parents=True, exist_ok=True)
     narrowing.write_text(f"# narrowing of study {source.name}, read off its trials\n"
                          + yaml.safe_dump(recorded_space(source), sort_keys=False))
-    opts = driver.RunOptions(engine=ctx.engine, model=ctx.model, draft_model=ctx.draft_model,
+    opts = plan.RunOptions(engine=ctx.engine, model=ctx.model, draft_model=ctx.draft_model,
                              workload=s.get("workload") or ctx.workload, slo=s.get("slo"), objective=ctx.objective,
                              trials=trials, budget_s=budget_s, study=name, storage=ctx.storage, resume=True,
                              concurrency=s.get("concurrency"), num_requests=s.get("num_requests"),
                              max_tokens=s.get("max_tokens"), seed=s.get("seed", 0),
                              space=str(narrowing), studies_root=str(ctx.directory / "ci"), live=console is not None)
-    plan = driver.plan(opts)
-    study, _ = storage.open_study(name, plan.storage, objectives.metrics(opts.objective),
+    the_plan = plan.build(opts)
+    study, _ = storage.open_study(name, the_plan.storage, objectives.metrics(opts.objective),
                                   objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
     exported = json.loads((ctx.best_dir / "launch.json").read_text()).get("config") \
         if (ctx.best_dir / "launch.json").exists() else None
     configs = [exported] if exported else []  # first: what is deployed, measured afresh
-    configs += [c for c in (t.user_attrs.get("config") or {} for t in validate.ranked(source)[:top]) if c not in configs]
+    configs += [c for c in (t.user_attrs.get("config") or {} for t in source.ranked()[:top]) if c not in configs]
     for config in configs:
-        known = {k: v for k, v in config.items() if k in plan.space.params}
-        study.enqueue_trial(plan.space.trial_params(known), user_attrs={"seed_config": config, "warm_start": source.name})
+        known = {k: v for k, v in config.items() if k in the_plan.space.params}
+        study.enqueue_trial(the_plan.space.trial_params(known), user_attrs={"seed_config": config, "warm_start": source.name})
     remembered = 0
     for t in source.study.get_trials(deepcopy=False):
         if t.user_attrs.get("status") in FAILED and t.user_attrs.get("effective_key"):
@@ -338,10 +252,10 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                 state=optuna.trial.TrialState.PRUNED, params=t.params, distributions=t.distributions,
                 user_attrs=attrs, constraints=t.constraints or {"feasible": 1.0}))
             remembered += 1
-    outcome = driver.run_study(plan, console=console)
+    outcome = loop.run_study(the_plan, console=console)
     if outcome.interrupted:  # Ctrl-C: the re-tune's trials are kept; nothing is validated or exported
         raise KeyboardInterrupt
-    out = {"study": name, "directory": str(plan.directory), "from": source.name, "enqueued": len(configs),
+    out = {"study": name, "directory": str(the_plan.directory), "from": source.name, "enqueued": len(configs),
            "remembered_failures": remembered, "measured": sum(bool(t.user_attrs.get("measured"))
                                                                for t in study.get_trials(deepcopy=False)),
            "validation": None}
@@ -349,7 +263,7 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
         out["problem"] = "no configuration measured within the re-tune budget met the study's requirements"
         return out
     try:
-        out["validation"] = validate.validate(plan.directory, storage=ctx.storage, top=s.get("top", 3),
+        out["validation"] = validate.validate(the_plan.directory, storage=ctx.storage, top=s.get("top", 3),
                                               repeats=s.get("repeats", 3), slo=s.get("slo"),
                                               max_noise=s.get("max_noise", validate.MAX_NOISE),
                                               quality_prompts=s.get("quality_prompts", 4),
@@ -362,9 +276,7 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
 
 def install(ctx, tuned: dict) -> list[str]:
     """The re-tune's validated winner becomes the study's exported best (best/*, validation.json)."""
-    from autotune import export, validate
-
-    new = validate.open_study(tuned["directory"], ctx.storage)
+    new = load_study(tuned["directory"], ctx.storage)
     written = export.export(new, out=ctx.best_dir)
     shutil.copyfile(new.best_dir / "validation.json", ctx.best_dir / "validation.json")
     return [str(p) for p in written] + [str(ctx.best_dir / "validation.json")]
@@ -372,10 +284,8 @@ def install(ctx, tuned: dict) -> list[str]:
 
 def flag_changes(adapter, old: list[str], new: list[str]) -> list[dict]:
     """[{flag, old, new}] between two engine commands (address flags left out)."""
-    from autotune.export import _groups
-
     def options(argv):
-        return {g[0]: " ".join(g[1:]) or "(set)" for g in _groups(adapter.engine_args(argv))
+        return {g[0]: " ".join(g[1:]) or "(set)" for g in flag_lines(adapter.engine_args(argv))
                 if g[0] not in ("--host", "--port")}
 
     a, b = options(old), options(new)
@@ -398,15 +308,12 @@ def check(study: str | Path, *, storage: str | None = None, tolerance: float = 0
           retune_trials: int = 25, force: bool = False, launch_timeout_s: float = 300.0, console=None) -> dict:
     """Everything `autotune ci` does; returns the machine-readable result (its `exit_code` is the verdict).
     Raises ValueError (one line) on a study that cannot be checked."""
-    from autotune import validate
-    from autotune.engines import get_adapter
-    from autotune.hardware import probe
-
-    ctx = validate.open_study(study, storage)
+    ctx = load_study(study, storage)
     if not ctx.provenance:
         raise ValueError(f"study {ctx.name!r} has no provenance.json to compare with")
     hardware = probe()
-    current = fingerprint(ctx.engine, ctx.provenance.get("model"), ctx.provenance.get("draft_model"), hardware)
+    current = provenance.fingerprint(ctx.adapter, ctx.provenance.get("model"), ctx.provenance.get("draft_model"),
+                                     hardware)
     recorded = recorded_fingerprint(ctx.provenance)
     changes, unrecorded = compare(recorded, current)
     result = {"study": ctx.name, "directory": str(ctx.directory), "changes": changes, "unrecorded": unrecorded,
@@ -429,7 +336,7 @@ def check(study: str | Path, *, storage: str | None = None, tolerance: float = 0
         result["files"] = install(ctx, tuned)
         result["new"] = {"trial": winner["trial"], "study": tuned["study"], "median": winner["median"],
                          "stats": {k: (v or {}).get("median") for k, v in winner["stats"].items()},
-                         "flags_changed": flag_changes(get_adapter(ctx.engine), old_argv, winner["argv"])}
+                         "flags_changed": flag_changes(ctx.adapter, old_argv, winner["argv"])}
         refresh_provenance(ctx, current, hardware, {**stamp, "retuned": tuned["study"]}, recorded)
     elif "problem" not in tuned:
         result["retune"]["problem"] = "no configuration passed validation"

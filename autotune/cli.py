@@ -161,16 +161,17 @@ def run(
     """Tune an engine's launch configuration on this machine with an Optuna study."""
     from rich.console import Console
 
-    from autotune.study import driver
+    from autotune import pipeline
+    from autotune.study import loop, plan
 
     try:
-        opts = driver.options_from_cli(
+        opts = plan.options_from_cli(
             engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
             parallel=parallel)
-        the_plan = driver.plan(opts)
-        outcome = driver.run_study(the_plan, console=Console())
+        the_plan = plan.build(opts)
+        outcome = loop.run_study(the_plan, console=Console())
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
         typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
         raise typer.Exit(2)
@@ -178,20 +179,15 @@ def run(
         raise typer.Exit(130)
     if outcome.best is None:
         raise typer.Exit(1)
-    if not outcome.interrupted:  # prove the winner on fresh launches, then hand it over
-        from autotune.validate import finish_study
-
+    if not outcome.interrupted:  # prove the winner on fresh launches, hand it over, explain it
         try:
-            finish_study(outcome.directory, outcome.storage, run_options=opts, **driver.FINISH.get(engine, {}))
+            done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts,
+                                   **the_plan.adapter.finish_validation)
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)
-        from autotune.estimator import fit_from_study
-
-        try:  # the per-request draft-length policy, from the acceptance every trial measured
-            typer.echo(f"draft-length estimator: {fit_from_study(outcome.directory)}")
-        except ValueError as e:
-            typer.echo(f"draft-length estimator: not fitted ({e})")
+        if done["estimator"]:
+            typer.echo(f"draft-length estimator: {done['estimator']}")
 
 
 # -- autotune worker: more hands for a study in a shared storage -----------------------------------------
@@ -441,7 +437,7 @@ def ci(
     from rich.console import Console
 
     from autotune import ci as checker
-    from autotune.study.driver import parse_duration
+    from autotune.study.plan import parse_duration
 
     try:
         share = checker.parse_tolerance(tolerance)

@@ -6,11 +6,11 @@ studies/<name>/best/ (or --out DIR):
                   as the script's arguments; comments carry the validated numbers, the hardware and
                   versions, and the study it came from. Checked with `bash -n` and the engine's schema.
   config.yaml     the engine's own config file (`sglang ... --config`, `vllm serve --config`: option
-                  names as keys); for the embedded engine, which has no config-file flag, the same
-                  YAML of `autotune serve` flags, which launch.sh passes (see `yaml_args`).
+                  names as keys); for an engine with no config-file flag, the same YAML of its flags,
+                  which launch.sh passes.
   launch.json     everything above for machines: argv, env, config, numbers, provenance.
-  docker-run.sh   `docker run` of the engine's official image (lmsysorg/sglang, vllm/vllm-openai);
-                  the embedded engine has none (launch.json says so).
+  docker-run.sh   `docker run` of the engine's official image (adapter.image: lmsysorg/sglang,
+                  vllm/vllm-openai); an engine without one gets none (launch.json says so).
   provenance.json the study's provenance plus what was exported from where.
 The winner comes from best/validation.json; a study never validated exports its best trial, marked so.
 """
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from autotune.validate import StudyContext, open_study, ranked
+from autotune.engines.base import flag_lines
+from autotune.study.storage import StudyContext, load_study
 
 FORMATS = ("sh", "yaml", "json", "docker")
-DEFAULT_PORT = {"embedded": 30000, "sglang": 30000, "vllm": 8000}
-IMAGES = {"sglang": "lmsysorg/sglang:v{version}", "vllm": "vllm/vllm-openai:v{version}"}
 NUMBERS = (("output_tok_s", "output tok/s", "{:.1f}"), ("e2e_ms_p95", "p95 e2e ms", "{:.0f}"),
            ("ttft_ms_p95", "p95 TTFT ms", "{:.0f}"), ("itl_ms_p95", "p95 ITL ms", "{:.1f}"),
            ("accept_length", "accept length", "{:.2f}"))
@@ -47,7 +46,7 @@ def chosen(ctx: StudyContext) -> dict:
         return {"trial": w["trial"], "config": w["config"], "validated": True, "stats": w.get("stats") or {},
                 "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written"),
                 "warning": w.get("warning")}
-    best = ranked(ctx)
+    best = ctx.ranked()
     if not best:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to export")
     t = best[0]
@@ -58,11 +57,9 @@ def chosen(ctx: StudyContext) -> dict:
 
 def command(ctx: StudyContext, config: dict) -> tuple[list[str], dict[str, str]]:
     """argv and env at the default address; refused if the flags fail the engine's schema."""
-    from autotune.engines import get_adapter
-
-    adapter = get_adapter(ctx.engine)
+    adapter = ctx.adapter
     argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
-                                port=DEFAULT_PORT[ctx.engine])
+                                port=adapter.default_port)
     errors = adapter.validate_flags(argv)
     if errors:
         raise ValueError(f"the winner's flags fail the {ctx.engine} schema: {'; '.join(errors)}")
@@ -70,19 +67,6 @@ def command(ctx: StudyContext, config: dict) -> tuple[list[str], dict[str, str]]
 
 
 # -- launch.sh -------------------------------------------------------------------------------------
-def _groups(args: list[str]) -> list[list[str]]:
-    """Flags with their values, one group per line of the script."""
-    from autotune.engines.base import is_flag
-
-    out: list[list[str]] = []
-    for a in args:
-        if is_flag(a) or not out:
-            out.append([a])
-        else:
-            out[-1].append(a)
-    return out
-
-
 def comments(ctx: StudyContext, pick: dict) -> list[str]:
     prov, load = ctx.provenance, pick["settings"]
     lines = [f"study: {ctx.name} (trial {pick['trial']}), storage {ctx.storage}",
@@ -133,9 +117,7 @@ def versions(prov: dict) -> dict:
 
 
 def launch_script(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, str]) -> str:
-    from autotune.engines import get_adapter
-
-    port = str(DEFAULT_PORT[ctx.engine])
+    port = str(ctx.adapter.default_port)
     lines = ["#!/usr/bin/env bash", f"# autotune: launch the {ctx.engine} engine with the configuration tuned by study {ctx.name}"]
     lines += [f"# {' '.join(c.splitlines())}" for c in comments(ctx, pick)]
     lines += ["# HOST, PORT and PYTHON may be set in the environment; script arguments are added to the engine's flags.",
@@ -145,11 +127,11 @@ def launch_script(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str,
         lines.append(f"PYTHON=${{PYTHON:-{shlex.quote(argv[0])}}}")
     lines += ["HOST=${HOST:-127.0.0.1}", f"PORT=${{PORT:-{port}}}"]
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
-    args = get_adapter(ctx.engine).engine_args(argv)
+    args = ctx.adapter.engine_args(argv)
     entry = argv[:len(argv) - len(args)]
     head = ['"$PYTHON"' if python else shlex.quote(entry[0]), *map(shlex.quote, entry[1:])]
     body = []
-    for group in _groups(args):
+    for group in flag_lines(args):
         if group[0] in ("--host", "--port") and len(group) == 2:
             body.append(f'{group[0]} "${group[0][2:].upper()}"')
         else:
@@ -172,43 +154,25 @@ def _scalar(text: str):
 
 def config_yaml(ctx: StudyContext, pick: dict, argv: list[str]) -> str:
     """The engine's flags (not the address) as {name: value}; flags without a value are `true`."""
-    from autotune.engines import get_adapter
-
     options = {}
-    for group in _groups(get_adapter(ctx.engine).engine_args(argv)):
+    for group in flag_lines(ctx.adapter.engine_args(argv)):
         name, values = group[0].removeprefix("--"), group[1:]
         if name in ("host", "port"):
             continue
         options[name] = True if not values else _scalar(values[0]) if len(values) == 1 else [_scalar(v) for v in values]
-    use = {"sglang": "python -m sglang.launch_server --config best/config.yaml --host 127.0.0.1 --port 30000",
-           "vllm": "vllm serve --config best/config.yaml --host 127.0.0.1 --port 8000"}.get(ctx.engine)
+    use = ctx.adapter.config_file_use
     head = [f"# {ctx.engine} options of study {ctx.name}, trial {pick['trial']}"
             + ("" if pick["validated"] else " (NOT VALIDATED)")]
-    head.append(f"# use: {use}" if use else "# `autotune serve` flags (--name value); it reads no config file: "
+    head.append(f"# use: {use}" if use else f"# {ctx.engine} flags (--name value); it reads no config file: "
                 "best/launch.sh passes exactly these")
     return "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False)
 
 
-def yaml_args(text: str) -> list[str]:
-    """config.yaml back to engine flags (what the engine's --config does)."""
-    args = []
-    for name, value in (yaml.safe_load(text) or {}).items():
-        if value is True:
-            args.append(f"--{name}")
-        elif isinstance(value, list):
-            args += [f"--{name}", *map(str, value)]
-        else:
-            args += [f"--{name}", str(value)]
-    return args
-
-
 def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str | None:
-    from autotune.engines import get_adapter
-
-    if ctx.engine not in IMAGES:
+    adapter = ctx.adapter
+    if adapter.image is None:
         return None
-    adapter = get_adapter(ctx.engine)
-    port = DEFAULT_PORT[ctx.engine]
+    port = adapter.default_port
     args = [a if prev != "--host" else "0.0.0.0" for prev, a in zip([None, *argv], argv)][len(adapter.entry):]
     cmd = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size", "16g",
            "-p", f"127.0.0.1:{port}:{port}", "-v", "$HOME/.cache/huggingface:/root/.cache/huggingface"]
@@ -217,9 +181,7 @@ def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str 
             cmd += ["-v", f"{path}:{path}:ro"]
     for k, v in env.items():
         cmd += ["-e", f"{k}={v}"]
-    cmd.append(IMAGES[ctx.engine].format(version=adapter.version))
-    if ctx.engine == "sglang":
-        cmd += ["python3", "-m", "sglang.launch_server"]
+    cmd += [adapter.image.format(version=adapter.version), *adapter.image_command]
     text = shlex.join(cmd + args)
     return text.replace("'$HOME/.cache/huggingface:/root/.cache/huggingface'", '"$HOME/.cache/huggingface:/root/.cache/huggingface"')
 
@@ -228,11 +190,11 @@ def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str 
 def export(study: str | Path | StudyContext, *, storage: str | None = None, formats=FORMATS,
            out: str | Path | None = None) -> list[Path]:
     """Write the chosen formats (sh, yaml, json, docker) and provenance.json; returns the files written."""
-    ctx = study if isinstance(study, StudyContext) else open_study(study, storage)
+    ctx = study if isinstance(study, StudyContext) else load_study(study, storage)
     unknown = set(formats) - set(FORMATS)
     if unknown:
         raise ValueError(f"unknown format {', '.join(sorted(unknown))} (choose from {', '.join(FORMATS)} or all)")
-    if formats == ("docker",) and ctx.engine not in IMAGES:
+    if formats == ("docker",) and ctx.adapter.image is None:
         raise ValueError(f"the {ctx.engine} engine has no official container image; use launch.sh")
     pick = chosen(ctx)
     argv, env = command(ctx, pick["config"])
@@ -260,7 +222,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
     if "json" in formats:
         doc = {"engine": ctx.engine, "study": ctx.name, "storage": ctx.storage, "trial": pick["trial"],
                "validated": pick["validated"], "config": pick["config"], "argv": argv, "env": env,
-               "address_flags": {"host": "127.0.0.1", "port": DEFAULT_PORT[ctx.engine]},
+               "address_flags": {"host": "127.0.0.1", "port": ctx.adapter.default_port},
                "metrics": pick["stats"], "gain_over_default": pick.get("gain"), "load": pick["settings"],
                "docker": docker, "docker_note": None if docker else f"no official image for the {ctx.engine} engine",
                "hardware": hardware_line(ctx.provenance), "versions": versions(ctx.provenance)}

@@ -20,11 +20,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune.validate import StudyContext, is_ok, open_study, ranked
-
-# engine -> (config key naming the drafter, config key of its draft length)
-DRAFT_KEYS = {"embedded": ("drafter", "draft_length"), "sglang": ("speculative_algorithm", "speculative_num_draft_tokens"),
-              "vllm": ("speculative_method", "num_speculative_tokens")}
+from autotune.export import hardware_line, versions
+from autotune.study.record import is_ok
+from autotune.study.storage import StudyContext, load_study
+from autotune.validate import baseline_config
 NO_DRAFTER = (None, "none")
 PNG_FIGURES = ("history", "pareto", "draft_length", "latency")
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
@@ -79,12 +78,10 @@ def gpu_count(ctx: StudyContext) -> int:
 
 
 def launch_text(ctx: StudyContext, config: dict) -> str:
-    from autotune.engines import get_adapter
-    from autotune.export import DEFAULT_PORT
-
+    adapter = ctx.adapter
     try:
-        argv, env = get_adapter(ctx.engine).command(config, model=ctx.model, draft_model=ctx.draft_model,
-                                                    host="127.0.0.1", port=DEFAULT_PORT[ctx.engine])
+        argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model,
+                                    host="127.0.0.1", port=adapter.default_port)
     except ValueError as e:
         return f"(no command: {e})"
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)])
@@ -160,7 +157,7 @@ def fig_importance(ctx: StudyContext, df: pd.DataFrame):
 
 
 def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
-    drafter_key, k_key = DRAFT_KEYS.get(ctx.engine, (None, None))
+    drafter_key, k_key = ctx.adapter.draft_keys
     rows = [{"drafter": c.get(drafter_key), "k": c.get(k_key), "tok_s": r.get("output_tok_s"),
              "accept": r.get("accept_length")} for c, (_, r) in zip(df["config"], df.iterrows())
             if r.get("ok") and c.get(drafter_key) not in NO_DRAFTER and c.get(k_key) is not None]
@@ -183,7 +180,7 @@ def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
 
 
 def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame]):
-    drafter_key, _ = DRAFT_KEYS.get(ctx.engine, (None, None))
+    drafter_key, _ = ctx.adapter.draft_keys
     configs = dict(zip(df["number"], df["config"]))
     points = []
     for label, frame in frames.items():
@@ -217,7 +214,7 @@ def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFr
 
 def fig_latency(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame], validation: dict | None):
     winner = ((validation or {}).get("winner") or {}).get("trial")
-    best = ranked(ctx)
+    best = ctx.ranked()
     winner = winner if winner is not None else (best[0].number if best else None)
     same = bool(validation) and validation["baseline"].get("trial") == winner  # the winner is the baseline config
     pairs = []  # (name, frame)
@@ -240,8 +237,6 @@ def fig_latency(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFr
 
 
 def _default_label(ctx: StudyContext, df: pd.DataFrame) -> str:
-    from autotune.validate import baseline_config
-
     _, number = baseline_config(ctx)
     return f"trial-{number}"
 
@@ -263,8 +258,6 @@ def _table(headers: list[str], rows: list[list], raw_columns: tuple[int, ...] = 
 
 
 def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) -> list[str]:
-    from autotune.export import hardware_line, versions
-
     counts = df["status"].value_counts().to_dict() if not df.empty else {}
     lines = [f"study {ctx.name}: engine {ctx.engine}, objective {ctx.objective}, workload {ctx.workload}",
              f"trials: {len(df)} ({', '.join(f'{v} {k}' for k, v in counts.items()) or 'none'})",
@@ -281,7 +274,7 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
             lines.append(f"warning: {w['warning']}")
     elif validation:
         lines.append("validation: no configuration passed")
-    best = ranked(ctx)
+    best = ctx.ranked()
     if best:
         lines.append(f"best in the study: trial {best[0].number}, {metric} {best[0].values[0]:.4g}"
                      + ("" if validation else " (not validated: run `autotune validate`)"))
@@ -293,7 +286,7 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
 def write_report(study: str | Path | StudyContext, *, storage: str | None = None, out: str | Path | None = None,
                  png: bool = True) -> Path:
     """Write report.html (and png/*.png when a browser is there); returns the HTML path."""
-    ctx = study if isinstance(study, StudyContext) else open_study(study, storage)
+    ctx = study if isinstance(study, StudyContext) else load_study(study, storage)
     df = trials_frame(ctx)
     validation = validation_doc(ctx)
     frames = request_frames(ctx)
@@ -332,7 +325,7 @@ def top_table(ctx: StudyContext, validation: dict | None, limit: int = 10) -> st
     verdicts = {c["trial"]: c for c in (validation or {}).get("candidates", [])}
     metric = ctx.primary()[0]
     rows = []
-    for t in ranked(ctx)[:limit]:
+    for t in ctx.ranked()[:limit]:
         m = t.user_attrs.get("metrics") or {}
         v = verdicts.get(t.number)
         verdict = "not validated" if v is None else v["status"] + (f": {'; '.join(v['reasons'])}" if v["reasons"] else
@@ -376,7 +369,7 @@ def show(study: str | Path, *, storage: str | None = None, console=None, limit: 
     from rich.console import Console
     from rich.table import Table
 
-    ctx = open_study(study, storage)
+    ctx = load_study(study, storage)
     console = console or Console()
     df = trials_frame(ctx)
     validation = validation_doc(ctx)
@@ -386,7 +379,7 @@ def show(study: str | Path, *, storage: str | None = None, console=None, limit: 
     table = Table(title=f"top configurations by {metric}")
     for col in ("#", metric, "p95 e2e ms", "accept len", "config"):
         table.add_column(col, overflow="fold")
-    for t in ranked(ctx)[:limit]:
+    for t in ctx.ranked()[:limit]:
         m = t.user_attrs.get("metrics") or {}
         table.add_row(str(t.number), f"{t.values[0]:.4g}", _fmt(m.get("e2e_ms_p95"), 0), _fmt(m.get("accept_length"), 2),
                       _config_short(t.user_attrs.get("config") or {}))

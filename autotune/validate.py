@@ -13,131 +13,31 @@ The winner is the best configuration that passes everything; noise alone only ra
 below the steady ones (if all are noisy, the best still wins, with the warning written down).
 
 `validate(study)` writes studies/<name>/best/validation.json and the per-request tables of every
-repeat to studies/<name>/validation/<label>-repeat-<r>.parquet. `finish_study` is what
-`autotune run` calls at the end: validate -> export -> report.
+repeat to studies/<name>/validation/<label>-repeat-<r>.parquet.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
-import optuna
-from optuna.trial import TrialState
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.bench import load_workload, parse_slo
+from autotune.bench.client import ENDPOINTS
+from autotune.bench.runner import measure_server, served_model
+from autotune.engines.launcher import LaunchError, launch
+from autotune.study.record import effective_key
+from autotune.study.storage import StudyContext, load_study
 
 DEFAULT_TOP = 3
 DEFAULT_REPEATS = 3
 MAX_NOISE = 0.10  # relative MAD of the objective above which a configuration is "noisy"
 TRACKED = ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95", "tpot_ms_p50", "decode_tok_s_p50",
            "accept_length", "error_rate")
-# Settings that change what the model computes: with the baseline's values, greedy output must match exactly.
-NUMERICS = {"embedded": ("dtype", "quantization", "compile"),
-            "sglang": ("dtype", "quantization", "kv_cache_dtype", "enable_torch_compile"),
-            "vllm": ("dtype", "quantization", "kv_cache_dtype")}
-SPECULATION_OFF = {"embedded": {"drafter": "none"}, "sglang": {"speculative_algorithm": None},
-                   "vllm": {"speculative_method": None}}
-LOAD_DEFAULTS = {"concurrency": 4, "num_requests": 8, "max_tokens": 48}  # when the study recorded none
-
-
-# -- the study and what it ran ---------------------------------------------------------------------
-@dataclass
-class StudyContext:
-    name: str
-    storage: str
-    directory: Path
-    study: optuna.Study
-    engine: str
-    objective: str
-    workload: str
-    model: str | None
-    draft_model: str | None
-    provenance: dict
-    slo: str | None = None
-    load: dict = field(default_factory=dict)  # concurrency, num_requests, max_tokens, seed
-
-    @property
-    def best_dir(self) -> Path:
-        return self.directory / "best"
-
-    def primary(self) -> tuple[str, str]:
-        from autotune.study import objectives
-
-        return objectives.metrics(self.objective)[0]
-
-
-def open_study(study: str | Path, storage: str | None = None) -> StudyContext:
-    """A study by name (under studies/) or by its directory; ValueError (one line) when there is none."""
-    from autotune.study import storage as store
-    from autotune.study.parallel import open_storage
-
-    path = Path(study)
-    directory = path if (path / "study.db").exists() or (path / "provenance.json").exists() else store.study_dir(str(study))
-    url = storage or f"sqlite:///{directory / 'study.db'}"
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        raise ValueError(f"no study {str(study)!r}: {url.removeprefix('sqlite:///')} does not exist")
-    try:
-        backend = open_storage(url)  # database URLs and journal files alike
-        names = optuna.get_all_study_names(backend)
-    except Exception as e:  # noqa: BLE001 - SQLAlchemy reports a bad URL in many ways
-        raise ValueError(f"cannot open storage {url}: {str(e).splitlines()[0]}") from None
-    name = directory.name if directory.name in names else (names[0] if len(names) == 1 else None)
-    if name is None:
-        raise ValueError(f"no study {directory.name!r} in {url} (it holds: {', '.join(names) or 'none'})")
-    s = optuna.load_study(study_name=name, storage=backend)
-    prov_path = directory / "provenance.json"
-    provenance = json.loads(prov_path.read_text()) if prov_path.exists() else {}
-    attrs = s.user_attrs
-    engine = attrs.get("engine") or provenance.get("engine") or "embedded"
-    model = attrs.get("model", provenance.get("model"))
-    if engine == "embedded" and model and _is_bundled(model):
-        model = None  # `autotune serve` finds the bundled model itself: the exported script stays portable
-    first = next((t.user_attrs["metrics"] for t in s.get_trials(deepcopy=False) if t.user_attrs.get("metrics")), {})
-    # What load the trials ran: recorded by the tuner where it does, else read off a trial's benchmark.
-    load = {"concurrency": attrs.get("concurrency") or first.get("concurrency") or LOAD_DEFAULTS["concurrency"],
-            "num_requests": attrs.get("num_requests") or first.get("sent") or LOAD_DEFAULTS["num_requests"],
-            "max_tokens": attrs.get("max_tokens") or _max_tokens_of(first) or LOAD_DEFAULTS["max_tokens"],
-            "seed": attrs.get("seed", first.get("seed", 0))}
-    return StudyContext(name, url, directory, s, engine, attrs.get("objective", "throughput"),
-                        attrs.get("workload") or provenance.get("workload") or "code", model,
-                        attrs.get("draft_model", provenance.get("draft_model")), provenance,
-                        attrs.get("slo") or first.get("slo"), load)
-
-
-def _is_bundled(model: str) -> bool:
-    from autotune.embedded.weights import bundled_gguf_path
-
-    try:
-        return Path(model).resolve() == bundled_gguf_path().resolve()
-    except Exception:  # noqa: BLE001 - no bundled model installed: keep the path as given
-        return False
-
-
-def _max_tokens_of(summary: dict) -> int | None:
-    mean = summary.get("output_tokens_mean")
-    return round(mean) if mean else None
-
-
-def is_ok(trial: optuna.trial.FrozenTrial) -> bool:
-    a = trial.user_attrs
-    return trial.state == TrialState.COMPLETE and (
-        a.get("status") == "ok" or (a.get("status") == "duplicate" and a.get("original_status") == "ok"))
-
-
-def ranked(ctx: StudyContext) -> list[optuna.trial.FrozenTrial]:
-    """Measured trials that met every requirement, best first, one per distinct effective configuration."""
-    _, direction = ctx.primary()
-    trials = sorted((t for t in ctx.study.get_trials(deepcopy=False) if is_ok(t) and t.values),
-                    key=lambda t: t.values[0], reverse=direction == "maximize")
-    seen, out = set(), []
-    for t in trials:
-        key = t.user_attrs.get("effective_key") or json.dumps(t.user_attrs.get("config"), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def baseline_config(ctx: StudyContext) -> tuple[dict, int | None]:
@@ -145,8 +45,8 @@ def baseline_config(ctx: StudyContext) -> tuple[dict, int | None]:
     --set) with speculation off, so its greedy output is plain greedy decoding. Also the trial that
     measured exactly it, if any."""
     seeds = [t for t in ctx.study.get_trials(deepcopy=False) if t.user_attrs.get("seed_config") is not None]
-    config = {**(seeds[0].user_attrs["seed_config"] if seeds else {}), **SPECULATION_OFF.get(ctx.engine, {})}
-    key = json.dumps(_effective(ctx, config), sort_keys=True, default=str)
+    config = {**(seeds[0].user_attrs["seed_config"] if seeds else {}), **ctx.adapter.speculation_off}
+    key = effective_key(ctx.adapter, config)
     same = [t for t in ctx.study.get_trials(deepcopy=False) if t.user_attrs.get("effective_key") == key]
     return config, (same[0].number if same else None)
 
@@ -169,9 +69,6 @@ def greedy_outputs(base_url: str, prompts: list[dict], max_tokens: int) -> list[
     """The greedy completion of each prompt, one at a time (no batching effects): {text, tokens}.
     The OpenAI API returns text; with the token count beside it, equal text and equal count is the
     token-for-token check the API allows."""
-    from autotune.bench.client import ENDPOINTS
-    from autotune.bench.runner import served_model
-
     model, out = served_model(base_url), []
     with httpx.Client(timeout=300) as client:
         for request in prompts:
@@ -205,7 +102,7 @@ def first_divergence(baseline: str, candidate: str, context: int = 40) -> dict |
 
 
 def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], reference: list[dict] | None) -> dict:
-    knobs = NUMERICS.get(ctx.engine, ())
+    knobs = ctx.adapter.numerics
     changed = {k: config.get(k) for k in knobs if config.get(k) != base.get(k)}
     mode = "lossy" if changed else "exact"
     if reference is None:
@@ -223,37 +120,30 @@ def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], re
 # -- one configuration: fresh launch, greedy outputs, N benchmarks ---------------------------------
 def measure(ctx: StudyContext, label: str, config: dict, *, repeats: int, prompts: list[dict], quality_tokens: int,
             workload, launch_timeout_s: float, tick=lambda: None) -> dict:
-    from autotune.bench import run_benchmark
-    from autotune.engines import get_adapter
-    from autotune.engines.launcher import Launcher, LaunchError, free_port
-    from autotune.study.driver import _json_ready
-
-    adapter, port = get_adapter(ctx.engine), free_port()
-    argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1", port=port)
-    base = f"http://127.0.0.1:{port}"
     log = ctx.directory / "validation" / "logs" / f"{label}.log"
-    rec = {"label": label, "config": config, "argv": argv, "env": env, "log": str(log), "runs": [], "request_files": []}
-    server = Launcher(argv, env=env, log_path=log, health_url=adapter.health_url(base), base_url=base)
+    rec = {"label": label, "config": config, "log": str(log), "runs": [], "request_files": []}
     t0 = time.monotonic()
     try:
-        server.start(timeout=launch_timeout_s)
+        server = launch(ctx.adapter, config, model=ctx.model, draft_model=ctx.draft_model, log_path=log,
+                        timeout_s=launch_timeout_s)
     except LaunchError as e:
-        rec["failure"] = f"launch {e.kind}: {e.message}"
+        rec.update(argv=e.argv, env={}, failure=f"launch {e.kind}: {e.message}")
         return rec
-    rec["launch_s"] = round(time.monotonic() - t0, 3)
+    rec.update(argv=server.argv, env=server.env, launch_s=round(time.monotonic() - t0, 3))
+    base = server.base_url
     try:
         try:
             rec["greedy"] = greedy_outputs(base, prompts, quality_tokens) if prompts else []
         except (httpx.HTTPError, KeyError, ValueError) as e:
             rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         for r in range(repeats):
-            result = run_benchmark(base, workload, concurrency=ctx.load["concurrency"], seed=ctx.load["seed"],
-                                   num_requests=ctx.load["num_requests"], max_tokens=ctx.load["max_tokens"],
-                                   server_pid=server.proc.pid, progress=False)
+            summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
+                                               num_requests=ctx.load["num_requests"], max_tokens=ctx.load["max_tokens"],
+                                               seed=ctx.load["seed"])
             path = ctx.directory / "validation" / f"{label}-repeat-{r}.parquet"
-            result.requests.assign(repeat=r).to_parquet(path, index=False)
+            requests.assign(repeat=r).to_parquet(path, index=False)
             rec["request_files"].append(str(path))
-            rec["runs"].append(_json_ready(result.summary))
+            rec["runs"].append(summary)
             tick()
             if not server.alive():
                 rec["failure"] = f"server exited during repeat {r} (see {log})"
@@ -295,19 +185,14 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
              quality_prompts: int = 4, quality_tokens: int = 32, load: dict | None = None,
              launch_timeout_s: float = 300.0, console=None, progress: bool = True) -> dict:
     """Validate the top configurations of a study; writes best/validation.json and returns its content."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from autotune.bench import load_workload, parse_slo
-
     if top < 1 or repeats < 1:
         raise ValueError("--top and --repeats must be at least 1")
-    ctx = study if isinstance(study, StudyContext) else open_study(study, storage)
+    ctx = study if isinstance(study, StudyContext) else load_study(study, storage)
     ctx.load.update({k: v for k, v in (load or {}).items() if v is not None})
     slo_text = slo or ctx.slo
     slo_parsed = parse_slo(slo_text) if slo_text else None
     workload = load_workload(ctx.workload, ctx.load["seed"])
-    candidates = ranked(ctx)[:top]
+    candidates = ctx.ranked()[:top]
     if not candidates:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to validate")
     base_config, base_trial = baseline_config(ctx)
@@ -315,7 +200,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     (ctx.directory / "validation").mkdir(parents=True, exist_ok=True)
     console = console or Console(stderr=True)
     metric, direction = ctx.primary()
-    base_key = json.dumps(_effective(ctx, base_config), sort_keys=True, default=str)
+    base_key = effective_key(ctx.adapter, base_config)
     steps = repeats * (len(candidates) + 1)
     with Progress(TextColumn("[bold]validate[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
@@ -331,7 +216,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         results = []
         for t in candidates:
             config = t.user_attrs.get("config") or {}
-            same = json.dumps(_effective(ctx, config), sort_keys=True, default=str) == base_key
+            same = effective_key(ctx.adapter, config) == base_key
             rec = dict(baseline, label=f"trial-{t.number}") if same else run(f"trial-{t.number}", config)
             if same:
                 bar.advance(task, repeats)
@@ -365,12 +250,6 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     return doc
 
 
-def _effective(ctx: StudyContext, config: dict) -> dict:
-    from autotune.engines import get_adapter
-
-    return get_adapter(ctx.engine).effective(config)
-
-
 def _pick(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
     """The best configuration that passed everything. Noise only demotes: when every survivor is
     noisy, the best of them still wins, with a warning (a launch.sh beats none; the spread is written)."""
@@ -392,35 +271,4 @@ def _public(rec: dict) -> dict:
     out = {k: rec[k] for k in keep if k in rec}
     out["runs"] = [{k: run.get(k) for k in (*TRACKED, "completed", "failed", "duration_s", "errors_by_kind")}
                    for run in rec.get("runs", [])]
-    return out
-
-
-# -- the end of `autotune run` ---------------------------------------------------------------------
-def finish_study(study: str | Path, storage: str | None = None, *, run_options=None, top: int = DEFAULT_TOP,
-                 repeats: int = DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
-                 console=None, **validate_options) -> dict:
-    """validate -> export -> report; each step's failure is reported and the next still runs.
-    `run_options` (the tuner's RunOptions) supplies the study's SLO and load.
-    Returns {"validation": doc | None, "exported": [paths], "report": path | None, "problems": [lines]}."""
-    from rich.console import Console
-
-    from autotune import export, report
-
-    console = console or Console(stderr=True)
-    out = {"validation": None, "exported": [], "report": None, "problems": []}
-    if run_options is not None:
-        slo = slo or run_options.slo
-        load = {**{k: getattr(run_options, k) for k in ("concurrency", "num_requests", "max_tokens", "seed")},
-                **(load or {})}
-    ctx = open_study(study, storage)
-    steps = (("validate", lambda: validate(ctx, top=top, repeats=repeats, slo=slo, load=load, console=console,
-                                           **validate_options)),
-             ("export", lambda: export.export(ctx)),
-             ("report", lambda: report.write_report(ctx)))
-    for name, step in steps:
-        try:
-            out[{"validate": "validation", "export": "exported", "report": "report"}[name]] = step()
-        except (ValueError, OSError) as e:
-            out["problems"].append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            console.print(f"[yellow]{name}:[/] {out['problems'][-1].split(': ', 1)[1]}")
     return out

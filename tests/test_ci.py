@@ -13,9 +13,10 @@ import optuna
 import pytest
 import yaml
 
-from autotune import ci, export, validate
+from autotune import ci, export, provenance, validate
 from autotune.engines import get_adapter
-from autotune.study import driver
+from autotune.study import loop, plan
+from autotune.study.storage import load_study
 
 SETS = ["drafter=none,ngram", "draft_length=2", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
         "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -27,14 +28,14 @@ NAME = "cistudy"
 def recorded(tmp_path_factory):
     """The study as `autotune run` leaves it, with the full fingerprint in provenance.json."""
     root = tmp_path_factory.mktemp("studies")
-    opts = driver.RunOptions(trials=2, study=NAME, studies_root=str(root), workload="chat", quick_requests=1,
+    opts = plan.RunOptions(trials=2, study=NAME, studies_root=str(root), workload="chat", quick_requests=1,
                              live=False, sets=SETS, **LOAD)
-    driver.run_study(driver.plan(opts))
+    loop.run_study(plan.build(opts))
     directory = root / NAME
     validate.validate(directory, top=1, repeats=1, quality_prompts=1, quality_tokens=8, load=LOAD, progress=False)
     export.export(directory)
     prov = json.loads((directory / "provenance.json").read_text())
-    prov["fingerprint"] = ci.fingerprint("embedded", prov["model"])
+    prov["fingerprint"] = provenance.fingerprint(get_adapter("embedded"), prov["model"])
     (directory / "provenance.json").write_text(json.dumps(prov))
     return directory
 
@@ -69,7 +70,7 @@ def test_unchanged_environment_exits_at_once_without_launching(study):
 
 @pytest.mark.slow
 def test_changed_thread_count_relaunches_and_refreshes_provenance(study):
-    now = ci.fingerprint("embedded", json.loads((study / "provenance.json").read_text())["model"])
+    now = provenance.fingerprint(get_adapter("embedded"), json.loads((study / "provenance.json").read_text())["model"])
     edit(study / "provenance.json", lambda p: p["fingerprint"].update(torch_threads=now["torch_threads"] + 7))
     result = ci.check(study, tolerance=0.9)
     assert result["status"] == "within_tolerance" and result["exit_code"] == 0, result
@@ -123,25 +124,22 @@ def test_regression_retunes_warm_started_and_exits_1_with_a_summary(study):
 @pytest.mark.slow
 def test_a_broken_flag_fails_the_relaunch_with_the_engine_reason(study):
     edit(study / "best" / "launch.json", lambda d: d["argv"].__setitem__(d["argv"].index("--drafter") + 1, "bogus"))
-    ctx = validate.open_study(study)
+    ctx = load_study(study)
     out = ci.recheck(ctx, ci.reference(ctx), tolerance=0.05)
     assert out["verdict"] == "broken" and out["translated"] == []
     assert "drafter must be one of" in out["reason"] and "got 'bogus'" in out["reason"]
 
 
-def test_renamed_sglang_flag_in_a_launch_script_is_translated(tmp_path):
+def test_renamed_sglang_flag_in_an_exported_launch_is_translated(tmp_path):
     best = tmp_path / "best"
     best.mkdir()
-    (best / "launch.sh").write_text(
-        "#!/usr/bin/env bash\n# autotune: launch the sglang engine (exported for sglang 0.5.9)\nset -euo pipefail\n\n"
-        "PYTHON=${PYTHON:-/opt/old/bin/python3}\nHOST=${HOST:-127.0.0.1}\nPORT=${PORT:-30000}\n"
-        "export SGLANG_FORCE_FP8_MARLIN=1\n\n"
-        'exec "$PYTHON" -m sglang.launch_server \\\n  --model-path /models/llama \\\n  --host "$HOST" \\\n'
-        '  --port "$PORT" \\\n  --cuda-graph-max-bs 32 \\\n  --disable-cuda-graph \\\n  "$@"\n')
+    old = ["/opt/old/bin/python3", "-m", "sglang.launch_server", "--model-path", "/models/llama", "--host", "127.0.0.1",
+           "--port", "30000", "--cuda-graph-max-bs", "32", "--disable-cuda-graph"]  # exported for sglang 0.5.9
+    (best / "launch.json").write_text(json.dumps({"engine": "sglang", "argv": old,
+                                                  "env": {"SGLANG_FORCE_FP8_MARLIN": "1"}}))
     argv, env, source = ci.stored_command(best)
-    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/llama", "--host",
-                    "127.0.0.1", "--port", "0", "--cuda-graph-max-bs", "32", "--disable-cuda-graph"]
-    assert env == {"SGLANG_FORCE_FP8_MARLIN": "1"} and source.endswith("launch.sh")
+    assert argv == [sys.executable, *old[1:]]  # this machine's Python runs the module
+    assert env == {"SGLANG_FORCE_FP8_MARLIN": "1"} and source.endswith("launch.json")
     adapter = get_adapter("sglang")
     assert any("--cuda-graph-max-bs does not exist" in e for e in adapter.validate_flags(argv))
     # sglang is not installed here, so the launch fails both times; what matters is the translation.

@@ -1,9 +1,11 @@
 """Scale out: GPU packing on synthetic 8-GPU machines, CPU thread sharing, and one study shared by
 worker processes on a real PostgreSQL server (and a JournalStorage file), on the embedded engine."""
+import errno
 import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,9 +18,10 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from autotune.cli import app
+from autotune.engines import get_adapter
 from autotune.hardware import CpuInfo, Hardware, classify_from_fixture, probe
 from autotune.space.space import load_space
-from autotune.study import driver, packing, parallel, storage
+from autotune.study import loop, packing, parallel, plan, storage
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hardware")
 
@@ -71,22 +74,30 @@ def test_mixed_tp_sizes_on_8_gpus_never_overlap_or_oversubscribe():
     assert pool.free == set(range(8)) and not pool.waiting()
 
 
+def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+    """Poll until `condition()` holds (a deadline, not a guess at how long a thread takes to get there)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.005)
+
+
 def test_tp8_waits_for_all_and_later_requests_queue_behind_it():
     pool = packing.GpuPool.for_hardware(eight_gpus())
     one = pool.acquire(1)
     got = {}
     big = threading.Thread(target=lambda: got.setdefault("tp8", pool.acquire(8)))
     big.start()
-    time.sleep(0.3)
+    wait_until(lambda: len(pool.queue) == 1 or got, what="the TP=8 request queued")
     small = threading.Thread(target=lambda: got.setdefault("tp1", pool.acquire(1)))
     small.start()
-    time.sleep(0.3)
+    wait_until(lambda: len(pool.queue) == 2 or "tp1" in got, what="the TP=1 request queued (or served)")
     assert got == {} and pool.waiting()  # 7 GPUs free, yet the TP=1 request does not jump the TP=8 one
     pool.release(one)
-    big.join(5)
+    big.join(30)
     assert got["tp8"] == tuple(range(8)) and "tp1" not in got
     pool.release(got["tp8"])
-    small.join(5)
+    small.join(30)
     assert got["tp1"] == (0,)
     with pytest.raises(ValueError, match="needs 16 GPUs"):
         pool.acquire(16)
@@ -120,36 +131,50 @@ def test_cuda_visible_devices_per_trial_and_ports():
     with pytest.raises(ValueError, match="indices"):
         packing.usable_gpus(hw, {"CUDA_VISIBLE_DEVICES": "GPU-4f1c"})
     pool, ports = packing.GpuPool(list(range(8))), packing.PortBook()
-    first, second = packing.Slot(pool, ports), packing.Slot(pool, ports)
+    first, second = packing.Slot(pool, ports, adapter=get_adapter("sglang")), packing.Slot(pool, ports, adapter=get_adapter("vllm"))
     assert first.acquire({"tp_size": 4}) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert second.acquire({"tensor_parallel_size": 2}) == {"CUDA_VISIBLE_DEVICES": "4,5",
                                                            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert second.acquire({}) == {"CUDA_VISIBLE_DEVICES": "4", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # relaunch: re-placed
     first.release()
     assert pool.free == {0, 1, 2, 3, 5, 6, 7}
-    assert packing.Slot(packing.GpuPool([]), ports).acquire({"tp_size": 2}) == {}  # CPU machine: no GPU environment
+    assert packing.Slot(packing.GpuPool([]), ports, adapter=get_adapter("sglang")).acquire({"tp_size": 2}) == {}  # CPU machine: no GPU environment
     held = [ports.reserve() for _ in range(40)]
     assert len(set(held)) == 40
-    ports.release(held[0])
-    assert held[0] not in ports.taken
+    assert all(plain_bind(port) == errno.EADDRINUSE for port in held)  # held against other processes too
+    ports.release(held[0])  # a slot that never launched on it: the hold goes with it
+    assert held[0] not in ports.taken and plain_bind(held[0]) == 0
+    for port in held[1:]:
+        ports.release(port)
+
+
+def plain_bind(port: int) -> int:
+    """0 when a socket without SO_REUSEADDR (what another program opens) can bind the port, else the errno."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return 0
+        except OSError as e:
+            return e.errno
 
 
 def test_parallel_count_and_cpu_thread_share():
+    SGLANG, EMBEDDED = get_adapter("sglang"), get_adapter("embedded")  # noqa: N806
     sglang = load_space("sglang")
-    assert parallel.arrange(sglang, eight_gpus(), "auto")[1] == 8  # TP=1 fits eight at once
-    assert parallel.arrange(sglang.narrowed({"tp_size": 4}), eight_gpus(), "auto")[1] == 2
-    assert parallel.arrange(sglang, eight_gpus(), "32")[1] == 8  # never more runners than GPUs
+    assert parallel.arrange(sglang, eight_gpus(), "auto", SGLANG)[1] == 8  # TP=1 fits eight at once
+    assert parallel.arrange(sglang.narrowed({"tp_size": 4}), eight_gpus(), "auto", SGLANG)[1] == 2
+    assert parallel.arrange(sglang, eight_gpus(), "32", SGLANG)[1] == 8  # never more runners than GPUs
     embedded = load_space("embedded")
-    space, slots = parallel.arrange(embedded, cpu_machine(8), 4)
+    space, slots = parallel.arrange(embedded, cpu_machine(8), 4, EMBEDDED)
     assert slots == 4 and space.params["threads"].fixed == 2  # each engine gets its share of the cores
-    assert parallel.arrange(embedded, cpu_machine(8), "auto")[1] == 1  # a CPU trial measures the whole machine
-    assert parallel.arrange(embedded.narrowed({"threads": 2}), cpu_machine(8), 4)[0].params["threads"].fixed == 2
+    assert parallel.arrange(embedded, cpu_machine(8), "auto", EMBEDDED)[1] == 1  # a CPU trial measures the whole machine
+    assert parallel.arrange(embedded.narrowed({"threads": 2}), cpu_machine(8), 4, EMBEDDED)[0].params["threads"].fixed == 2
     with pytest.raises(ValueError, match="need 8 CPU cores"):
-        parallel.arrange(embedded.narrowed({"threads": 4}), cpu_machine(6), 2)
+        parallel.arrange(embedded.narrowed({"threads": 4}), cpu_machine(6), 2, EMBEDDED)
     with pytest.raises(ValueError, match="at least 3 CPU cores"):
-        parallel.arrange(embedded, cpu_machine(2), 3)
+        parallel.arrange(embedded, cpu_machine(2), 3, EMBEDDED)
     with pytest.raises(ValueError, match="--parallel must be"):
-        parallel.arrange(embedded, cpu_machine(2), "many")
+        parallel.arrange(embedded, cpu_machine(2), "many", EMBEDDED)
 
 
 # -- a real PostgreSQL server ------------------------------------------------------------------------------
@@ -197,7 +222,7 @@ def studies(tmp_path, monkeypatch):
 
 def create_study(name: str, url: str, trials: int = 1, **options) -> optuna.Study:
     """What `autotune run --storage URL` does, in this process: create the study and run its first trials."""
-    outcome = driver.run_study(driver.plan(driver.RunOptions(
+    outcome = loop.run_study(plan.build(plan.RunOptions(
         trials=trials, study=name, storage=url, **{"sets": ONE_SERVER, **SMALL, **options})))
     assert outcome.best is not None
     return optuna.load_study(study_name=name, storage=parallel.open_storage(url))
@@ -287,17 +312,40 @@ def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(pos
     assert export.exit_code == 0 and "--drafter ngram" in (studies / "out" / "launch.sh").read_text(), export.output
 
 
+def recorded_heartbeat(study: optuna.Study, trial: optuna.Trial):
+    """The trial's last heartbeat as the database holds it (None before the first)."""
+    from optuna.storages._rdb.models import TrialHeartbeatModel
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    with _create_scoped_session(study._storage.scoped_session) as session:
+        beat = TrialHeartbeatModel.where_trial_id(trial._trial_id, session)
+        return None if beat is None else beat.heartbeat
+
+
 def test_heartbeats_keep_a_live_remote_trial_and_fail_a_silent_one(postgres, monkeypatch):
+    # A beat every second, a grace of a minute: a live runner that a busy machine delays by seconds is
+    # never taken for dead. The silent runner's last beat is written an hour back, as a runner that
+    # stopped an hour ago leaves it: no sleeping through the grace period.
     monkeypatch.setattr(parallel, "HEARTBEAT_S", 1)
-    monkeypatch.setattr(parallel, "GRACE_S", 2)
+    monkeypatch.setattr(parallel, "GRACE_S", 60)
     study = optuna.create_study(study_name="beats", storage=parallel.open_storage(postgres))
     remote, silent, unclaimed = study.ask(), study.ask(), study.ask()
     for trial in (remote, silent):  # runners on another machine: only their heartbeat can tell
         study._storage.set_trial_system_attr(trial._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
+    study._storage.record_heartbeat(silent._trial_id)
+    from sqlalchemy import text
+
+    with study._storage.engine.begin() as db:
+        db.execute(text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 hour' WHERE trial_id = :id"),
+                   {"id": silent._trial_id})
     with parallel.Heartbeat(study, remote):
         study._storage.set_trial_system_attr(remote._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
-        study._storage.record_heartbeat(silent._trial_id)
-        time.sleep(3.5)
+        beats, deadline = set(), time.monotonic() + 60
+        while len(beats) < 3 and time.monotonic() < deadline:  # it keeps beating: three distinct beats
+            beats.add(recorded_heartbeat(study, remote))
+            beats.discard(None)
+            time.sleep(0.05)
+        assert len(beats) >= 3, beats
         assert [t.number for t in parallel.stale_trials(study)] == [silent.number]
         # Resuming (autotune run --resume) also fails the trial nobody claimed, never the live one.
         assert [t.number for t in parallel.stale_trials(study, resume=True)] == [silent.number, unclaimed.number]

@@ -14,7 +14,8 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.engines.embedded import EmbeddedAdapter
-from autotune.study import driver
+from autotune.study import loop, plan, record, storage
+from autotune.study import trial as trial_life
 
 # Tiny benchmarks: these tests are about the loop, not the numbers.
 SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False)
@@ -64,15 +65,15 @@ def trials_of(outcome):
 
 @pytest.fixture
 def studies(tmp_path, monkeypatch):
-    monkeypatch.setattr(driver.storage, "STUDIES_DIR", tmp_path)
+    monkeypatch.setattr(storage, "STUDIES_DIR", tmp_path)
     return tmp_path
 
 
 @pytest.mark.slow
 def test_small_study_records_reuses_dedupes_and_resumes(studies):
-    opts = driver.RunOptions(trials=3, study="small", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=2"],
+    opts = plan.RunOptions(trials=3, study="small", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=2"],
                              **SMALL)
-    outcome = driver.run_study(driver.plan(opts))
+    outcome = loop.run_study(plan.build(opts))
     trials = trials_of(outcome)
     by_status = {}
     for t in trials:
@@ -109,7 +110,7 @@ def test_small_study_records_reuses_dedupes_and_resumes(studies):
     # A killed run leaves a RUNNING trial; --resume marks it failed and continues the study.
     study = optuna.load_study(study_name="small", storage=outcome.storage)
     stale = study.ask()
-    resumed = driver.run_study(driver.plan(driver.RunOptions(**{**opts.__dict__, "resume": True, "trials": 4})))
+    resumed = loop.run_study(plan.build(plan.RunOptions(**{**opts.__dict__, "resume": True, "trials": 4})))
     after = trials_of(resumed)
     assert resumed.stale_failed == 1
     assert after[stale.number].state == TrialState.FAIL and after[stale.number].user_attrs["failure_kind"] == "stale"
@@ -118,10 +119,10 @@ def test_small_study_records_reuses_dedupes_and_resumes(studies):
 
 @pytest.mark.slow
 def test_engine_crash_at_startup_is_recorded_and_study_goes_on(studies):
-    p = driver.plan(driver.RunOptions(trials=3, study="crash", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=3"],
+    p = plan.build(plan.RunOptions(trials=3, study="crash", sets=ONE_SERVER + ["draft_length=3,5", "verify_slots=3"],
                                       **SMALL))
     p.adapter = CrashOnThreeSlots()
-    outcome = driver.run_study(p)
+    outcome = loop.run_study(p)
     failed = [t for t in trials_of(outcome) if t.user_attrs.get("status") == "failed"]
     # Both configurations were tried: the first crash did not end the study.
     assert {t.user_attrs["config"]["draft_length"] for t in failed} == {3, 5} and outcome.launches == 2
@@ -133,7 +134,7 @@ def test_engine_crash_at_startup_is_recorded_and_study_goes_on(studies):
 
 @pytest.mark.slow
 def test_hardware_and_memory_violations_rejected_before_launch(studies):
-    outcome = driver.run_study(driver.plan(driver.RunOptions(
+    outcome = loop.run_study(plan.build(plan.RunOptions(
         trials=1, study="cuda-on-cpu", sets=["cuda_graph_batch_sizes=[1,2]", "verify_slots=1000"], **SMALL)))
     trials = trials_of(outcome)
     assert outcome.launches == 0 and outcome.best is None
@@ -148,14 +149,14 @@ def test_hardware_and_memory_violations_rejected_before_launch(studies):
 
 @pytest.mark.slow
 def test_hopelessly_slow_config_is_pruned_by_the_quick_timeout(studies, monkeypatch):
-    monkeypatch.setattr(driver, "QUICK_TIMEOUT_FLOOR_S", 1.0)  # the tiny defaults wave sets the limit alone
-    p = driver.plan(driver.RunOptions(trials=2, study="slow", sets=ONE_SERVER + ["draft_length=3", "verify_slots=4,3"],
+    monkeypatch.setattr(trial_life, "QUICK_TIMEOUT_FLOOR_S", 1.0)  # the tiny defaults wave sets the limit alone
+    p = plan.build(plan.RunOptions(trials=2, study="slow", sets=ONE_SERVER + ["draft_length=3", "verify_slots=4,3"],
                                       **SMALL))
     p.adapter = SlowOnThreeSlots()
-    trials = trials_of(driver.run_study(p))
+    trials = trials_of(loop.run_study(p))
     assert trials[0].user_attrs["config"]["verify_slots"] == 4 and trials[0].user_attrs["status"] == "ok"  # the defaults
     slow = next(t for t in trials if t.user_attrs.get("config", {}).get("verify_slots") == 3)
-    limit = driver.QUICK_TIMEOUT_FACTOR * trials[0].user_attrs["quick"]["duration_s"]
+    limit = trial_life.QUICK_TIMEOUT_FACTOR * trials[0].user_attrs["quick"]["duration_s"]
     assert slow.state == TrialState.PRUNED and slow.user_attrs["failure_kind"] == "timeout"
     assert "defaults trial 0" in slow.user_attrs["failure"] and slow.constraints["feasible"] > 0
     assert slow.user_attrs["timings"]["quick_s"] < limit + 5  # not the client's 2 minutes
@@ -164,19 +165,19 @@ def test_hopelessly_slow_config_is_pruned_by_the_quick_timeout(studies, monkeypa
 
 @pytest.mark.slow
 def test_predicted_configurations_are_new_and_fit(studies):
-    p = driver.plan(driver.RunOptions(gpu="h100-sxm5", study="predicted", **SMALL))
+    p = plan.build(plan.RunOptions(gpu="h100-sxm5", study="predicted", **SMALL))
     study = optuna.create_study(direction="maximize")
-    first = driver.predicted_configs(p, study)
-    assert len(first) == driver.PREDICTED_SEEDS
+    first = loop.predicted_configs(p, study)
+    assert len(first) == loop.PREDICTED_SEEDS
     for config, prediction in first:
         assert all(p.space.params[k].contains(v) for k, v in config.items() if v is not None)
         assert prediction["memory"]["fits"] and prediction["speed"]["single_tok_s"] > 0
     # Once the best is queued, it is not proposed again.
     study.enqueue_trial(p.space.trial_params(first[0][0]), user_attrs={"seed_config": first[0][0]})
-    again = [driver._effective_key(p, c) for c, _ in driver.predicted_configs(p, study)]
-    assert driver._effective_key(p, first[0][0]) not in again and len(again) == driver.PREDICTED_SEEDS
+    again = [record.effective_key(p.adapter, c) for c, _ in loop.predicted_configs(p, study)]
+    assert record.effective_key(p.adapter, first[0][0]) not in again and len(again) == loop.PREDICTED_SEEDS
     # No GPU: the roofline's CPU ranking is flat, nothing is proposed.
-    assert driver.predicted_configs(driver.plan(driver.RunOptions(study="cpu", **SMALL)), study) == []
+    assert loop.predicted_configs(plan.build(plan.RunOptions(study="cpu", **SMALL)), study) == []
 
 
 def cli(*args, env_dir, **kw):
@@ -219,26 +220,27 @@ def test_sigint_stops_after_current_trial(tmp_path):
     out, err = proc.communicate(timeout=240)
     assert "stopping after the current trial" in out
     trials = optuna.load_study(study_name="interrupted", storage=f"sqlite:///{tmp_path / 'interrupted' / 'study.db'}").trials
-    finished = [t for t in trials if t.state.is_finished()]
+    finished = [t for t in trials if t.state.is_finished() and t.user_attrs.get("status") != "not_run"]
     assert len(finished) == 1 and finished[0].user_attrs["status"] == "ok"  # that trial ran to the end
+    assert all(t.user_attrs.get("status") == "not_run" for t in trials if t not in finished)  # the queue is closed
     assert not any(t.state == TrialState.RUNNING for t in trials)
     assert proc.returncode == 0 and (tmp_path / "interrupted" / "trials.parquet").exists()
 
 
 @pytest.mark.slow
 def test_queued_seeds_the_run_never_reached_are_closed_then_requeued_on_resume(studies, tmp_path):
-    space = yaml.safe_load(open(driver.load_space("embedded").source))
+    space = yaml.safe_load(open(plan.load_space("embedded").source))
     space["seeds"] = [{"drafter": "ngram", "draft_length": k} for k in (3, 5, 7)]
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump(space, sort_keys=False))
-    opts = driver.RunOptions(trials=1, study="queued", space=str(path), sets=ONE_SERVER, **SMALL)
-    outcome = driver.run_study(driver.plan(opts))
+    opts = plan.RunOptions(trials=1, study="queued", space=str(path), sets=ONE_SERVER, **SMALL)
+    outcome = loop.run_study(plan.build(opts))
     study = optuna.load_study(study_name="queued", storage=outcome.storage)
     assert study.metric_names == ["output_tok_s"]  # named in the storage, for the optuna CLI and dashboards
     assert not [t for t in study.trials if t.state == TrialState.WAITING]
     not_run = [t.user_attrs["seed_config"]["draft_length"] for t in study.trials if t.user_attrs.get("status") == "not_run"]
     assert not_run == [5, 7]
-    resumed = driver.run_study(driver.plan(driver.RunOptions(**{**opts.__dict__, "resume": True, "trials": 2})))
+    resumed = loop.run_study(plan.build(plan.RunOptions(**{**opts.__dict__, "resume": True, "trials": 2})))
     after = trials_of(resumed)
     measured = [t.user_attrs["config"]["draft_length"] for t in after if t.user_attrs.get("status") == "ok"]
     assert measured == [3, 5]  # the resumed run measured the first seed it had not reached

@@ -21,7 +21,10 @@ from autotune import export, report, validate
 from autotune.engines import get_adapter
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import free_port
-from autotune.study import driver
+from autotune.study import loop
+from autotune.study import plan as planning
+from autotune.study.record import is_ok
+from autotune.study.storage import load_study
 
 SETS = ["drafter=none,ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",
         "verify_slots=2", "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -43,11 +46,11 @@ class CrashOnSecondLaunch(EmbeddedAdapter):
 @pytest.fixture(scope="module")
 def study_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("studies")
-    opts = driver.RunOptions(trials=3, study="handover", studies_root=str(root), workload="chat", concurrency=2,
+    opts = planning.RunOptions(trials=3, study="handover", studies_root=str(root), workload="chat", concurrency=2,
                              quick_requests=1, live=False, sets=SETS, **LOAD)
-    plan = driver.plan(opts)
+    plan = planning.build(opts)
     plan.adapter = CrashOnSecondLaunch()
-    driver.run_study(plan)
+    loop.run_study(plan)
     return root / "handover"
 
 
@@ -68,7 +71,7 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
     study = optuna.load_study(study_name="handover", storage=f"sqlite:///{study_dir / 'study.db'}")  # plain Optuna
     trials = study.get_trials()
     assert any(t.user_attrs.get("status") == "failed" for t in trials)  # the crash is recorded, and skipped
-    ok = {t.number for t in trials if validate.is_ok(t)}
+    ok = {t.number for t in trials if is_ok(t)}
     assert {c["trial"] for c in doc["candidates"]} <= ok and len(doc["candidates"]) == 2
     for c in doc["candidates"]:
         tok_s = c["stats"]["output_tok_s"]
@@ -94,7 +97,7 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
 def test_judge_demotes_with_reasons(study_dir, validated):
     from autotune.bench import parse_slo
 
-    ctx = validate.open_study(study_dir)
+    ctx = load_study(study_dir)
     rec = {**validated["candidates"][0], "runs": [{"error_rate": 0.0, "ttft_ms_p95": 50.0}, {"error_rate": 0.5,
                                                   "errors_by_kind": {"http": 1}, "ttft_ms_p95": 900.0}]}
     rec["stats"] = {"output_tok_s": validate.spread([10.0, 14.0, 10.5])}
@@ -118,6 +121,14 @@ def test_spread_and_first_divergence():
     assert validate.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 2}) is None
 
 
+def config_file_args(text: str) -> list[str]:
+    """config.yaml as an engine's --config reads it: {name: value} -> --name value (true: the bare flag)."""
+    args = []
+    for name, value in (yaml.safe_load(text) or {}).items():
+        args += [f"--{name}"] if value is True else [f"--{name}", *map(str, value if isinstance(value, list) else [value])]
+    return args
+
+
 @pytest.mark.slow
 def test_export_files_parse_and_round_trip(study_dir, validated, exported):
     paths = exported
@@ -135,7 +146,7 @@ def test_export_files_parse_and_round_trip(study_dir, validated, exported):
     # config.yaml holds exactly the engine flags of the script (the address aside).
     args = adapter.engine_args(launch["argv"])
     cut = args.index("--host")
-    assert export.yaml_args((best / "config.yaml").read_text()) == args[:cut] and args[cut:] == [
+    assert config_file_args((best / "config.yaml").read_text()) == args[:cut] and args[cut:] == [
         "--host", "127.0.0.1", "--port", "30000"]
     assert json.loads((best / "provenance.json").read_text())["exported"]["trial"] == validated["winner"]["trial"]
     with pytest.raises(ValueError, match="no official container image"):
@@ -237,7 +248,7 @@ def test_export_for_gpu_engines_from_an_unvalidated_study(tmp_path, engine, conf
     launch = json.loads((directory / "best" / "launch.json").read_text())
     args = get_adapter(engine).engine_args(launch["argv"])
     address = {i for i, a in enumerate(args) if a in ("--host", "--port")}
-    assert export.yaml_args((directory / "best" / "config.yaml").read_text()) == [
+    assert config_file_args((directory / "best" / "config.yaml").read_text()) == [
         a for i, a in enumerate(args) if i not in address and i - 1 not in address]
     docker = (directory / "best" / "docker-run.sh").read_text()
     assert image in docker and "--host 0.0.0.0" in docker and "-p 127.0.0.1:" in docker

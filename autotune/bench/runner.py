@@ -187,3 +187,21 @@ def summary_table(results: list[BenchResult]) -> Table:
 
 def fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def json_ready(obj):
+    """Plain JSON data (numpy scalars and the like become numbers/text): what Optuna attrs and files take."""
+    return json.loads(json.dumps(obj, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def measure_server(server, workload: Workload, *, concurrency: int | None, num_requests: int | None,
+                   max_tokens: int | None, seed: int = 0, request_timeout: float | None = None):
+    """One benchmark of a running engine server (an engines.launcher.Launcher): (summary as plain JSON
+    data with its wall time `duration_s`, per-request frame). What a trial, validation and ci measure with."""
+    t0 = time.monotonic()
+    result = run_benchmark(server.base_url, workload, concurrency=concurrency, num_requests=num_requests,
+                           max_tokens=max_tokens, seed=seed, server_pid=server.proc.pid, progress=False,
+                           **({"request_timeout": request_timeout} if request_timeout else {}))
+    summary = json_ready(dict(result.summary))
+    summary["duration_s"] = round(time.monotonic() - t0, 3)
+    return summary, result.requests

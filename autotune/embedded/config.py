@@ -6,6 +6,11 @@ DRAFT_POLICIES = ("fixed", "adaptive", "estimator")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
+MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
+# Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
+RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
+CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
+           "compile": COMPILE_BACKENDS}
 
 
 @dataclass
@@ -84,3 +89,28 @@ class GenerationEvent:
     spec: SpecStats | None = None
     prompt_entropy: float | None = None  # mean next-token entropy (nats) over the first 32 prompt tokens
     error: str | None = None
+
+
+def rule_violations(c: EngineConfig) -> list[str]:
+    """Every reason the engine refuses this configuration (empty: it runs). `autotune serve` stops at
+    the first; the tuner's adapter records them all before any launch."""
+    out = [f"{name} must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"
+           for name, allowed in CHOICES.items() if getattr(c, name) not in allowed]
+    if not 0 <= c.draft_length <= MAX_DRAFT_LENGTH:
+        out.append(f"draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {c.draft_length}")
+    if c.drafter == "ngram" and not 1 <= c.ngram_min <= c.ngram_max:
+        out.append(f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min}..{c.ngram_max}")
+    if c.verify_slots < 1 or c.prefill_ubatch < 1 or c.max_seq_len < 2:
+        out.append("verify_slots and prefill_ubatch must be >= 1, max_seq_len >= 2")
+    if any(b < 1 for b in c.cuda_graph_batch_sizes or []):
+        out.append("cuda_graph_batch_sizes must be positive")
+    if c.quantization == "gguf" and (c.dtype != "float32" or c.compile != "none"):
+        out.append("quantization gguf runs the GGUF's blocks in float32 through a C kernel torch.compile cannot "
+                   "trace: needs dtype float32, compile none")
+    if c.drafter == "quantized_self" and c.quantization != "none":
+        out.append("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")
+    if c.drafter == "draft_model" and not c.draft_model:
+        out.append("drafter draft_model needs a draft model (--draft-model)")
+    if c.draft_policy == "estimator" and not c.draft_estimator:
+        out.append("draft_policy estimator needs draft_estimator (an estimator.json)")
+    return out

@@ -33,8 +33,7 @@ import re
 import zlib
 from pathlib import Path
 
-from autotune.embedded.generate import MAX_DRAFT_LENGTH
-
+from autotune.embedded.config import MAX_DRAFT_LENGTH
 
 
 # Model-free prompt features: any serving stack can compute them from the text alone. The estimator's

@@ -28,7 +28,6 @@ from autotune.embedded.sampling import (
     uniform_noise,
 )
 
-MAX_DRAFT_LENGTH = 16
 ENTROPY_POSITIONS = 32  # prompt entropy = mean next-token entropy over this many leading prompt positions
 
 

@@ -21,7 +21,7 @@ could only be incremented from inside the engine loop and would be a second copy
 """
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE  # noqa: F401 - the /metrics route's
 
 # (Engine.stats() key, metric name, type, help)
 METRICS = (

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 from jinja2.exceptions import TemplateError
 
-from autotune.embedded.config import GenerationEvent, SamplingParams
-from autotune.embedded.generate import MAX_DRAFT_LENGTH
+from autotune.embedded.config import MAX_DRAFT_LENGTH, GenerationEvent, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 INT32_MAX = 2**31 - 1

@@ -8,9 +8,10 @@ Anything else (prefill chunks, larger batches, CPU) runs the plain or compiled f
 import torch
 from torch import Tensor
 
+from autotune.embedded.config import MAX_DRAFT_LENGTH
 from autotune.embedded.model import KVCache, Transformer
 
-MAX_GRAPH_WIDTH = 17  # k + 1 for the longest draft
+MAX_GRAPH_WIDTH = MAX_DRAFT_LENGTH + 1  # a verify step of the longest draft
 
 
 class ModelRunner:

@@ -10,27 +10,24 @@ import itertools
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 
 from autotune.embedded.config import (
-    COMPILE_BACKENDS,
-    DRAFT_POLICIES,
-    DRAFTERS,
-    DTYPES,
-    QUANTIZATIONS,
+    MAX_DRAFT_LENGTH,
+    RUNTIME_KNOBS,
     EngineConfig,
     GenerationEvent,
     GenerationRequest,
     SpecStats,
+    rule_violations,
 )
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
 from autotune.embedded.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from autotune.embedded.generate import (
     ENTROPY_POSITIONS,
-    MAX_DRAFT_LENGTH,
     StepInput,
     prefill_chunk,
     speculative_step,
@@ -40,7 +37,6 @@ from autotune.embedded.runner import ModelRunner
 from autotune.embedded.sampling import SamplingBatch
 
 KV_BUCKET = 64  # attended cache lengths are rounded up to this (fewer distinct shapes for compile)
-RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
 
 
 class Sequence:
@@ -68,7 +64,8 @@ class Sequence:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        from autotune.embedded.weights import DTYPES as TORCH_DTYPES, check_draft_compatible, load_model
+        from autotune.embedded.weights import DTYPES as TORCH_DTYPES
+        from autotune.embedded.weights import check_draft_compatible, load_model
 
         self.config = config
         _validate(config)
@@ -177,12 +174,9 @@ class Engine:
             for name in ("draft_length", "ngram_min", "ngram_max"):
                 if not isinstance(new[name], int) or isinstance(new[name], bool):
                     raise ValueError(f"{name} must be an integer, got {new[name]!r}")
-            if not 0 <= new["draft_length"] <= MAX_DRAFT_LENGTH:
-                raise ValueError(f"draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {new['draft_length']}")
-            if not 1 <= new["ngram_min"] <= new["ngram_max"]:
-                raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {new['ngram_min']}..{new['ngram_max']}")
-            if new["draft_policy"] not in DRAFT_POLICIES:
-                raise ValueError(f"draft_policy must be one of {', '.join(DRAFT_POLICIES)}")
+            problems = rule_violations(replace(self.config, **new))
+            if problems:
+                raise ValueError(problems[0])
             self.policy = DraftPolicy(new["draft_policy"], new["draft_length"], self.policy.estimator)
             self.config.ngram_min, self.config.ngram_max = new["ngram_min"], new["ngram_max"]
             if isinstance(self.drafter, NgramDrafter):
@@ -390,22 +384,6 @@ def _bucket(length: int, limit: int) -> int:
 
 
 def _validate(config: EngineConfig):
-    choices = dict(drafter=DRAFTERS, draft_policy=DRAFT_POLICIES, dtype=DTYPES, quantization=QUANTIZATIONS,
-                   compile=COMPILE_BACKENDS)
-    for name, allowed in choices.items():
-        if getattr(config, name) not in allowed:
-            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
-    if not 0 <= config.draft_length <= MAX_DRAFT_LENGTH:
-        raise ValueError(f"draft_length must be in 0..{MAX_DRAFT_LENGTH}")
-    if not 1 <= config.ngram_min <= config.ngram_max:
-        raise ValueError("need 1 <= ngram_min <= ngram_max")
-    if config.verify_slots < 1 or config.prefill_ubatch < 1 or config.max_seq_len < 2:
-        raise ValueError("verify_slots and prefill_ubatch must be >= 1, max_seq_len >= 2")
-    if any(b < 1 for b in config.cuda_graph_batch_sizes):
-        raise ValueError("cuda_graph_batch_sizes must be positive")
-    if config.quantization == "gguf" and config.compile != "none":
-        raise ValueError("quantization gguf calls its C kernel outside torch.compile: needs compile none")
-    if config.drafter == "quantized_self" and config.quantization != "none":
-        raise ValueError("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")
-    if config.draft_policy == "estimator" and not config.draft_estimator:
-        raise ValueError("draft_policy estimator needs --draft-estimator FILE")
+    problems = rule_violations(config)
+    if problems:
+        raise ValueError(problems[0])

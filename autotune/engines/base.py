@@ -44,6 +44,11 @@ def flag_groups(args: list[str]):
         yield token, name, values
 
 
+def flag_lines(args: list[str]) -> list[list[str]]:
+    """[flag, *values] per flag, as the tokens appear (`--x=1` stays one token): one line each in a script."""
+    return [[token] if "=" in token or not values else [token, *values] for token, _, values in flag_groups(args)]
+
+
 @functools.cache
 def load_schema(engine: str, version: str) -> dict:
     schema = json.loads((SCHEMA_DIR / f"{engine}-{version}.json").read_text())
@@ -219,6 +224,14 @@ class EngineAdapter:
             return metadata.version(self.name)
         except metadata.PackageNotFoundError:
             return None
+
+    def recorded_version(self, provenance: dict) -> str | None:
+        """The engine version an older provenance.json (one without a fingerprint) recorded."""
+        return ((provenance.get("hardware") or {}).get("versions") or {}).get(self.name)
+
+    def default_model(self) -> str | None:
+        """The checkpoint the engine loads when given none (None: it needs one)."""
+        return None
 
     def portable_model(self, model: str | None) -> str | None:
         """The model argument an exported script should carry (the embedded engine's bundled model: none)."""

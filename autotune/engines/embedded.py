@@ -13,13 +13,11 @@ import httpx
 
 from autotune import __version__
 from autotune.embedded import config as engine_config
-from autotune.embedded.weights import bundled_gguf_path
+from autotune.embedded.bundled import bundled_gguf_path
 from autotune.engines.base import EngineAdapter, schema_errors
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
-CHOICES = {"drafter": engine_config.DRAFTERS, "draft_policy": engine_config.DRAFT_POLICIES,
-           "dtype": engine_config.DTYPES, "quantization": engine_config.QUANTIZATIONS,
-           "compile": engine_config.COMPILE_BACKENDS}
+CHOICES = engine_config.CHOICES
 DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
 DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
                "draft_model")
@@ -43,7 +41,7 @@ SCHEMA = _schema()
 
 class EmbeddedAdapter(EngineAdapter):
     name = "embedded"
-    runtime_params = frozenset({"draft_length", "draft_policy", "ngram_min", "ngram_max"})
+    runtime_params = frozenset(engine_config.RUNTIME_KNOBS)
     entry = (sys.executable, "-m", "autotune.cli", "serve")
     default_port = 30000
     numerics = ("dtype", "quantization", "compile")
@@ -70,6 +68,12 @@ class EmbeddedAdapter(EngineAdapter):
     def installed_version(self):
         return __version__
 
+    def recorded_version(self, provenance):
+        return (provenance.get("versions") or {}).get("autotune")
+
+    def default_model(self):
+        return str(bundled_gguf_path())
+
     def portable_model(self, model):
         """`autotune serve` finds the bundled model itself: the exported script stays portable."""
         try:
@@ -91,20 +95,14 @@ class EmbeddedAdapter(EngineAdapter):
         return [*self.entry, *args, "--host", host, "--port", str(port), *extra_args], {}
 
     def check(self, config, hardware=None, *, has_draft_model=None):
+        """The engine's own rules (embedded/config.py: rule_violations), all of them, before any launch."""
+        unknown = set(config) - set(DEFAULTS)
+        if unknown:
+            return [f"not embedded-engine settings: {', '.join(sorted(unknown))}"]
         c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-        out = [f"{k} must be one of {', '.join(choices)}, got {c[k]!r}"
-               for k, choices in CHOICES.items() if c[k] not in choices]
-        if c["drafter"] == "ngram" and not 1 <= c["ngram_min"] <= c["ngram_max"]:
-            out.append(f"need 1 <= ngram_min <= ngram_max, got {c['ngram_min']}..{c['ngram_max']}")
-        if c["drafter"] == "draft_model" and has_draft_model is False:
-            out.append("drafter draft_model needs a draft model (--draft-model)")
-        if c["drafter"] == "quantized_self" and c["quantization"] != "none":
-            out.append("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")
-        if c["quantization"] == "gguf" and (c["dtype"] != "float32" or c["compile"] != "none"):
-            out.append("quantization gguf runs the GGUF's blocks in float32, uncompiled: needs dtype float32, compile none")
-        if c["draft_policy"] == "estimator" and not c["draft_estimator"]:
-            out.append("draft_policy estimator needs draft_estimator (an estimator.json)")
-        return out
+        if has_draft_model is not False:  # given at launch (or not known here): only its absence is a fault
+            c["draft_model"] = c["draft_model"] or "--draft-model"
+        return engine_config.rule_violations(engine_config.EngineConfig(**c))
 
     def effective(self, config):
         c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}

@@ -248,3 +248,32 @@ def _die_with_parent():
     """
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def at_address(argv: list[str], host: str, port: int) -> list[str]:
+    """A stored command (an exported launch) bound to host:port."""
+    out = list(argv)
+    for flag, value in (("--host", host), ("--port", str(port))):
+        if flag in out[:-1]:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+def launch(adapter, config: dict | None = None, *, argv: list[str] | None = None, model: str | None = None,
+           draft_model: str | None = None, env: dict[str, str] | None = None, log_path: str | Path,
+           timeout_s: float, host: str = "127.0.0.1", port: int | None = None) -> Launcher:
+    """Start an engine server and return it once healthy (raises LaunchError): `config` through the
+    adapter's command, or a stored `argv` moved to this address. What the tuner, validation, ci and the
+    estimator's data collection all do to bring up a server."""
+    port = port or free_port(host)
+    if argv is None:
+        argv, engine_env = adapter.command(config or {}, model=model, draft_model=draft_model, host=host, port=port)
+    else:
+        argv, engine_env = at_address(argv, host, port), {}
+    base = f"http://{host}:{port}"
+    server = Launcher(argv, env={**engine_env, **(env or {})}, log_path=log_path,
+                      health_url=adapter.health_url(base), base_url=base)
+    server.start(timeout=timeout_s)
+    return server

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.bench import load_workload
 from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
-from autotune.embedded.weights import bundled_gguf_path
+from autotune.embedded.bundled import bundled_gguf_path
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import Launcher, launch
 

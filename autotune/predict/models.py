@@ -58,7 +58,7 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
     """A preset name (case-insensitive), an HF checkpoint directory, a config.json or a .gguf file;
     None is the bundled SmolLM2-135M GGUF. Raises ValueError (one line) for anything else."""
     if name_or_path is None:
-        from autotune.embedded.weights import bundled_gguf_path
+        from autotune.embedded.bundled import bundled_gguf_path
 
         name_or_path = bundled_gguf_path()
     key = str(name_or_path).strip().lower()

@@ -1,8 +1,8 @@
-"""Trials side by side, and one study shared by many processes and machines.
+"""Trials side by side, and one study shared by many processes and machines: how many run at once
+on this machine (`arrange`), who runs a trial and whether it still does (heartbeats), stale trials.
 
-`Fleet` runs a study's trials on N threads of this process, each thread with its own engine server
-on its own GPUs or CPU cores (packing.py); `autotune worker` (worker.py) runs the same loop in
-another process or on another machine. Optuna's storage is the only coordination: a runner asks the
+The loop itself is loop.Fleet; `autotune worker` (worker.py) runs the same loop in another process
+or on another machine. Optuna's storage is the only coordination: a runner asks the
 study for a trial, runs it, tells the result. A runner that dies must not hold the study up: while
 a trial runs, its runner records who it is and a heartbeat (Optuna's on RDB storages: PostgreSQL,
 MySQL, SQLite; a timestamp attribute on a JournalStorage file, which has none), and every runner
@@ -21,6 +21,7 @@ import optuna
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from autotune.space.constraints import cpu_cores
 from autotune.study import packing
 
 HEARTBEAT_S = int(os.environ.get("AUTOTUNE_HEARTBEAT_S", "10"))  # tests shorten it
@@ -158,16 +159,14 @@ def wait_for_twins(study: optuna.Study, trial: optuna.Trial, key: str, servers) 
 
 
 # -- how many side by side ---------------------------------------------------------------------------
-def arrange(space, hardware, parallel: int | str):
+def arrange(space, hardware, parallel: int | str, adapter):
     """(the space, trials run side by side). `auto`: as many as the GPUs hold at the smallest
     tensor-parallel size; 1 on a CPU (a trial there should measure the whole machine). With N > 1
     on a CPU every engine gets cores // N threads: the `threads` parameter is pinned to that."""
-    from autotune.space.constraints import TP_NAMES, _cpu_cores
-
     gpus = len(packing.usable_gpus(hardware))
     smallest = 1
-    for name in (n for n in TP_NAMES if n in space.params):
-        p = space.params[name]
+    if adapter.tp_key in space.params:
+        p = space.params[adapter.tp_key]
         smallest = int(p.fixed if p.pinned else min(p.choices) if p.choices else p.low)
     if parallel == "auto":
         slots = max(1, gpus // smallest) if gpus else 1
@@ -181,7 +180,7 @@ def arrange(space, hardware, parallel: int | str):
     if gpus:
         return space, min(slots, gpus)  # every trial takes a GPU at least
     if slots > 1 and "threads" in space.params:
-        cores, threads = _cpu_cores(hardware), space.params["threads"]
+        cores, threads = cpu_cores(hardware), space.params["threads"]
         share = packing.cpu_share(cores, slots)
         if threads.pinned and threads.fixed and threads.fixed * slots > cores:
             raise ValueError(f"--parallel {slots} engines with threads={threads.fixed} need "
@@ -189,126 +188,3 @@ def arrange(space, hardware, parallel: int | str):
         if not threads.pinned or not threads.fixed:
             space = space.narrowed({"threads": share})
     return space, slots
-
-
-# -- the runners -------------------------------------------------------------------------------------
-class Fleet:
-    """N trial runners in this process, each with its own engine server (`driver.Servers`) on its own
-    slot of the machine. Stands in for one `Servers` in the driver: `.stop()`, `.launches`, `.saved`."""
-
-    def __init__(self, p, slots: int | None = None):
-        from autotune.study import driver
-
-        self.p = p
-        self.pool, self.ports = packing.GpuPool.for_hardware(p.hardware), packing.PortBook()
-        self.aborted = False  # Ctrl-C twice, or a runner failed: stop at once
-        self.out_of_time = False
-        self.servers = [driver.Servers(p, slot=packing.Slot(self.pool, self.ports, lambda: self.aborted))
-                        for _ in range(slots or p.opts.parallel)]
-        self.running: dict[int, optuna.Trial] = {}  # runner index -> its trial in flight
-        self.lock = threading.Lock()
-        self.durations: list[float] = []
-        self.idle = 0
-        self.errors: list[BaseException] = []
-        self.last_sweep = 0.0
-
-    @property
-    def launches(self) -> int:
-        return sum(s.launches for s in self.servers)
-
-    @property
-    def saved(self) -> int:
-        return sum(s.saved for s in self.servers)
-
-    def stop(self):
-        for s in self.servers:
-            s.stop()
-
-    def run(self, study: optuna.Study, view, stop, deadline: float | None = None) -> None:
-        """Run trials until the study holds opts.trials measured ones, the deadline (time.time())
-        would be overrun, or `stop.requested`. A second Ctrl-C fails our trials in flight as
-        interrupted and stops their servers."""
-        if deadline is None and self.p.opts.budget_s:
-            deadline = time.time() + self.p.opts.budget_s
-        self.study, self.view, self.stop_request, self.deadline = study, view, stop, deadline
-        threads = [threading.Thread(target=self._runner, args=(i,), daemon=True) for i in range(len(self.servers))]
-        for t in threads:
-            t.start()
-        try:
-            for t in threads:
-                while t.is_alive():  # short joins: Ctrl-C reaches the main thread
-                    t.join(0.2)
-        except KeyboardInterrupt:
-            self.aborted = True
-            for trial in list(self.running.values()):
-                fail(study, trial._trial_id, "interrupted", "stopped by the user", status="interrupted")
-            self.stop()
-            raise
-        if self.errors:
-            raise self.errors[0]
-
-    def _runner(self, i: int):
-        from autotune.study import driver, storage
-
-        servers = self.servers[i]
-        try:
-            while (trial := self._next_trial(servers)) is not None:
-                self.running[i] = trial
-                t0 = time.monotonic()
-                try:
-                    with Heartbeat(self.study, trial):
-                        frozen = driver.run_trial(self.study, trial, self.p, servers, self.view)
-                except Exception as e:  # an abort (packing.Cancelled) or a storage error mid-trial
-                    aborted = self.aborted
-                    fail(self.study, trial._trial_id, "interrupted" if aborted else "error", f"{type(e).__name__}: {e}",
-                         status="interrupted" if aborted else "failed")
-                    if aborted:
-                        return
-                    raise
-                finally:
-                    self.running.pop(i, None)
-                with self.lock:
-                    if frozen.user_attrs.get("measured"):
-                        self.idle = 0
-                        self.durations.append(time.monotonic() - t0)
-                    else:
-                        self.idle += 1
-                    self.view.finished(frozen, self.study)
-                    storage.write_trials(self.study, self.p.directory / "trials.parquet")
-                if self.pool.waiting():  # an idle server must not hold GPUs another trial waits for
-                    servers.stop()
-        except Exception as e:  # noqa: BLE001 - reported by run() in the main thread
-            self.errors.append(e)
-            self.aborted = True
-        finally:
-            servers.stop()
-
-    def _next_trial(self, servers) -> optuna.Trial | None:
-        """Ask the study for one more trial, wait while the trials in flight may still complete it, or stop."""
-        from autotune.study.driver import MAX_IDLE_ASKS
-
-        opts = self.p.opts
-        while True:
-            with self.lock:
-                if self.aborted or self.stop_request.requested or self.idle >= MAX_IDLE_ASKS:
-                    return None
-                if self.deadline and self.durations:
-                    typical = sorted(self.durations)[len(self.durations) // 2]
-                    if self.deadline - time.time() < typical:  # the next trial would overrun
-                        if not self.out_of_time:
-                            self.view.note("budget reached: no new trials")
-                        self.out_of_time = True
-                        return None
-                if time.monotonic() - self.last_sweep > HEARTBEAT_S:
-                    self.last_sweep = time.monotonic()
-                    fail_stale(self.study)
-                trials = self.study.get_trials(deepcopy=False)
-                measured = sum(bool(t.user_attrs.get("measured")) for t in trials)
-                running = sum(t.state == TrialState.RUNNING for t in trials)
-                if measured >= opts.trials:
-                    return None
-                if measured + running < opts.trials:
-                    return self.study.ask()
-            if self.pool.waiting():  # a trial in flight may wait for the GPUs our idle server holds
-                servers.stop()
-            time.sleep(WAIT_S)

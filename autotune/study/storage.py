@@ -1,16 +1,19 @@
-"""Where a study lives: studies/<name>/ (study.db, trials.parquet, provenance.json, logs/)."""
+"""Where a study lives: studies/<name>/ (study.db, trials.parquet, provenance.json, logs/); creating
+one for the tuner (`open_study`) and the one reader everything after the tuner uses (`load_study`)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
+import pandas as pd
 
-from autotune import PROJECT_ROOT, __version__
+from autotune import PROJECT_ROOT
+from autotune.engines import get_adapter
+from autotune.study import objectives, record
+from autotune.study.parallel import fail_stale, open_storage
 
 STUDIES_DIR = Path(os.environ.get("AUTOTUNE_STUDIES_DIR") or PROJECT_ROOT / "studies")  # tests point it elsewhere
 
@@ -35,8 +38,6 @@ def open_study(name: str, storage: str, metrics: list[tuple[str, str]], sampler,
     reason, so the sampler and the tables do not wait on it. Only trials whose runner is gone: with a
     shared storage other workers' live trials are left alone (autotune/study/parallel.py).
     `metrics`: [(summary metric, direction)]; the names are stored with the study (dashboards show them)."""
-    from autotune.study.parallel import fail_stale, open_storage
-
     if storage.startswith("sqlite:///"):
         Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -64,7 +65,7 @@ def fail_waiting(study: optuna.Study, reason: str) -> int:
     waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     for _ in waiting:
         trial = study.ask()  # takes the oldest WAITING trial
-        trial.set_user_attr("status", "not_run")
+        trial.set_user_attr("status", record.NOT_RUN)
         trial.set_user_attr("failure", reason)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
     return len(waiting)
@@ -72,8 +73,6 @@ def fail_waiting(study: optuna.Study, reason: str) -> int:
 
 def write_trials(study: optuna.Study, path: Path) -> None:
     """One row per trial: number, state, values, params and user attrs (nested ones as JSON)."""
-    import pandas as pd
-
     rows = []
     for t in study.get_trials(deepcopy=False):
         row = {"number": t.number, "state": t.state.name,
@@ -94,54 +93,87 @@ def write_trials(study: optuna.Study, path: Path) -> None:
     os.replace(partial, path)
 
 
-def write_provenance(path: Path, *, hardware, engine: str, model: str | None, draft_model: str | None,
-                     workload: str, space_source: str) -> dict:
-    """What `autotune ci` compares later: the machine, the software versions and the exact model."""
-    import torch
-
-    from autotune import ci
-
-    # The environment `autotune ci` compares (thread count and dtypes included); it hashes the model
-    # files, which for a large checkpoint takes minutes: done once, its digests reused below.
-    fingerprint = ci.fingerprint(engine, model, draft_model, hardware)
-    info = {
-        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "hardware": _plain(hardware),
-        "engine": engine, "space": space_source, "workload": workload,
-        "model": model, "model_sha256": fingerprint["model_sha256"],
-        "draft_model": draft_model, "draft_model_sha256": fingerprint["draft_model_sha256"],
-        "versions": {"autotune": __version__, "optuna": optuna.__version__, "torch": torch.__version__,
-                     "cuda": torch.version.cuda, "python": platform.python_version()},
-        "host": platform.node(),
-        "fingerprint": fingerprint,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(info, indent=2, default=str))
-    return info
+# -- reading a study back ----------------------------------------------------------------------------
+LOAD_DEFAULTS = {"concurrency": 4, "num_requests": 8, "max_tokens": 48}  # when the study recorded none
 
 
-def _digest(path: str | None) -> str | None:
-    """sha256 of a model file; for a checkpoint directory, of its files' contents in name order."""
-    if not path or not Path(path).exists():
-        return None
-    p = Path(path)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    h = hashlib.sha256()
-    for f in files:
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+@dataclass
+class StudyContext:
+    """A study as validation, export, the report, ci and the estimator read it."""
+    name: str
+    storage: str
+    directory: Path
+    study: optuna.Study
+    engine: str
+    objective: str
+    workload: str
+    model: str | None
+    draft_model: str | None
+    provenance: dict
+    slo: str | None = None
+    load: dict = field(default_factory=dict)  # concurrency, num_requests, max_tokens, seed
+    run_options: dict = field(default_factory=dict)  # what `autotune run` was given (workers join with it)
+
+    @property
+    def best_dir(self) -> Path:
+        return self.directory / "best"
+
+    @property
+    def adapter(self):
+        return get_adapter(self.engine)
+
+    def primary(self) -> tuple[str, str]:
+        return objectives.metrics(self.objective)[0]
+
+    def ranked(self) -> list[optuna.trial.FrozenTrial]:
+        """Measured trials that met every requirement, best first, one per distinct effective configuration."""
+        _, direction = self.primary()
+        trials = sorted((t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t) and t.values),
+                        key=lambda t: t.values[0], reverse=direction == "maximize")
+        seen, out = set(), []
+        for t in trials:
+            key = t.user_attrs.get("effective_key") or json.dumps(t.user_attrs.get("config"), sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+        return out
 
 
-def _plain(obj):
-    """A dataclass tree (the hardware probe) as JSON-ready data."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    return obj if isinstance(obj, (int, float, str, bool)) or obj is None else str(obj)
+def load_study(study: str | Path, storage: str | None = None) -> StudyContext:
+    """A study by name (under studies/) or by its directory, optionally in another storage (a database
+    URL or a journal file); ValueError (one line) when there is none."""
+    path = Path(study)
+    directory = path if (path / "study.db").exists() or (path / "provenance.json").exists() else study_dir(str(study))
+    url = storage or f"sqlite:///{directory / 'study.db'}"
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        raise ValueError(f"no study {str(study)!r}: {url.removeprefix('sqlite:///')} does not exist")
+    if "://" not in url and not Path(url).is_file():
+        raise ValueError(f"--storage {url}: no such journal file (a database URL needs a scheme, e.g. postgresql://)")
+    try:
+        backend = open_storage(url)  # database URLs and journal files alike
+        names = optuna.get_all_study_names(backend)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy reports a bad URL or a refused connection in many ways
+        raise ValueError(f"cannot open storage {url}: {str(e).splitlines()[0]}") from None
+    # A folder may have been copied under another name: its storage's only study is the one meant.
+    name = directory.name if directory.name in names else (names[0] if len(names) == 1 and path.is_dir() else None)
+    if name is None:
+        raise ValueError(f"no study {directory.name!r} in {url} (it holds: {', '.join(names) or 'none'}); "
+                         f"create it with: autotune run --study {directory.name} --storage {url}")
+    s = optuna.load_study(study_name=name, storage=backend)
+    prov_path = directory / "provenance.json"
+    provenance = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+    attrs = s.user_attrs
+    engine = attrs.get("engine") or provenance.get("engine") or "embedded"
+    model = get_adapter(engine).portable_model(attrs.get("model", provenance.get("model")))
+    first = next((t.user_attrs["metrics"] for t in s.get_trials(deepcopy=False) if t.user_attrs.get("metrics")), {})
+    mean_tokens = first.get("output_tokens_mean")
+    # What load the trials ran: recorded by the tuner where it does, else read off a trial's benchmark.
+    load = {"concurrency": attrs.get("concurrency") or first.get("concurrency") or LOAD_DEFAULTS["concurrency"],
+            "num_requests": attrs.get("num_requests") or first.get("sent") or LOAD_DEFAULTS["num_requests"],
+            "max_tokens": attrs.get("max_tokens") or (round(mean_tokens) if mean_tokens else None)
+            or LOAD_DEFAULTS["max_tokens"],
+            "seed": attrs.get("seed", first.get("seed", 0))}
+    return StudyContext(name, url, directory, s, engine, attrs.get("objective", "throughput"),
+                        attrs.get("workload") or provenance.get("workload") or "code", model,
+                        attrs.get("draft_model", provenance.get("draft_model")), provenance,
+                        attrs.get("slo") or first.get("slo"), load, attrs.get("run_options") or {})

@@ -1,0 +1,288 @@
+"""The one trial loop: `autotune run` (serial or `--parallel`) and `autotune worker` all run trials
+through `Fleet`, N runner threads in this process (N = 1 for a serial run), each with its own engine
+server on its own slot of the machine (packing.py). Optuna's storage is the only coordination: a runner
+asks the study for a trial, runs it (trial.py), tells the result.
+
+`run_study` creates (or resumes) a study, queues its seeds and runs the loop; `run_trials` is the loop
+with its live view, Ctrl-C handling and end-of-run bookkeeping, shared with `worker.join`.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune import predict, provenance
+from autotune.study import objectives, packing, record, storage
+from autotune.study.live import LiveView
+from autotune.study.parallel import HEARTBEAT_S, WAIT_S, Heartbeat, fail, fail_stale
+from autotune.study.plan import RUN_OPTIONS, Plan
+from autotune.study.trial import Servers, run_trial
+
+MAX_IDLE_ASKS = 30  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
+PREDICTED_SEEDS = 3  # best predicted configurations enqueued after the seeds
+CALIBRATE_AFTER = 4  # measured trials before the speed model is refitted to this machine
+
+
+class Stop:
+    """Ctrl-C: the first asks to stop after the current trial, the second interrupts it. SIGTERM
+    interrupts at once, still stopping the engine server and keeping every finished trial."""
+
+    def __init__(self, view: LiveView):
+        self.requested, self.view, self.previous, self.previous_term = False, view, None, None
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self.handle)
+        self.previous_term = signal.signal(signal.SIGTERM, self.terminate)
+        return self
+
+    def terminate(self, signum, frame):
+        raise KeyboardInterrupt
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.view.note("Ctrl-C: stopping after the current trial (Ctrl-C again to abort it)")
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        signal.signal(signal.SIGTERM, self.previous_term)
+
+
+@dataclass
+class Outcome:
+    name: str
+    storage: str
+    directory: Path
+    best: optuna.trial.FrozenTrial | None
+    default: optuna.trial.FrozenTrial | None
+    gain: float | None
+    launches: int
+    launches_saved: int
+    stale_failed: int
+    interrupted: bool
+
+
+def run_study(p: Plan, console=None) -> Outcome:
+    """Create the study (or continue it with --resume), queue the seeds, run the trial loop."""
+    opts = p.opts
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
+    study, stale = storage.open_study(p.name, p.storage, objectives.metrics(opts.objective), sampler,
+                                      objectives.make_pruner(opts.objective), opts.resume)
+    provenance.write(p.directory / "provenance.json", hardware=p.hardware, adapter=p.adapter, model=opts.model,
+                     draft_model=opts.draft_model, workload=opts.workload, space_source=p.space.source)
+    study.set_user_attr("engine", opts.engine)
+    study.set_user_attr("objective", opts.objective)
+    for name in RUN_OPTIONS:  # the load and limits validation re-runs the winners with
+        study.set_user_attr(name, getattr(opts, name))
+    study.set_user_attr("run_options", record.json_ready({**opts.__dict__, "parallel": 1}))  # what `autotune worker` runs
+    # Seeds first; on resume, only those an earlier run ended before reaching.
+    seeds = p.space.seed_configs() if not opts.resume else [
+        t.user_attrs["seed_config"] for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if t.user_attrs.get("status") == record.NOT_RUN and "seed_config" in t.user_attrs]
+    for config in seeds:
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
+    for config, prediction in predicted_configs(p, study):
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
+    deadline = time.time() + opts.budget_s if opts.budget_s else None
+    return run_trials(p, study, deadline=deadline, console=console, stale_failed=stale, close_queue=True)
+
+
+def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=None, stale_failed: int = 0,
+               close_queue: bool = False) -> Outcome:
+    """Run trials until the study holds opts.trials measured ones, the deadline (time.time()) would be
+    overrun, the space is exhausted, or Ctrl-C; then record the totals. `close_queue`: the study's own
+    run closes the queued trials nobody reached (a worker leaves them to the others)."""
+    opts = p.opts
+    (p.directory / "logs").mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(p)
+    view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
+    interrupted = False
+    with view, Stop(view) as stop:
+        view.show_history(study)
+        try:
+            fleet.run(study, view, stop, deadline)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            fleet.stop()
+            if close_queue:
+                storage.fail_waiting(study, "the run ended (trial count, budget, Ctrl-C) before this queued trial")
+            launches = int(study.user_attrs.get("launches", 0)) + fleet.launches
+            saved = int(study.user_attrs.get("launches_saved", 0)) + fleet.saved
+            study.set_user_attr("launches", launches)
+            study.set_user_attr("launches_saved", saved)
+            storage.write_trials(study, p.directory / "trials.parquet")
+    best, default, gain = summarize(study, opts.objective, p.space.defaults())
+    if best is not None:
+        study.set_user_attr("best_trial", best.number)
+        study.set_user_attr("gain_over_default", gain)
+    stopped = interrupted or stop.requested
+    view.summary(best, default, gain, launches=launches, saved=saved, directory=p.directory, interrupted=stopped)
+    return Outcome(p.name, p.storage, p.directory, best, default, gain, launches, saved, stale_failed, stopped)
+
+
+def predicted_configs(p: Plan, study: optuna.Study) -> list[tuple[dict, dict]]:
+    """The best configurations by predicted speed that the study has neither queued nor run, with their
+    predictions; the speed model is refitted to this machine's measured trials once there are enough.
+    GPU only: the roofline model has no CPU terms, so its CPU ranking is flat (the seeds do that job)."""
+    profile = getattr(p.hardware, "profile", None)
+    if profile is None or not profile.is_gpu:
+        return []
+    gpus = max(1, int(getattr(p.hardware, "gpu_count", 0) or 0))
+    trials = study.get_trials(deepcopy=False)
+    measured = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("metrics")]
+    calibration = None
+    if len(measured) >= CALIBRATE_AFTER:
+        calibration = predict.Calibration.fit(
+            [predict.trial_from_metrics(t.user_attrs["config"], t.user_attrs["metrics"], p.opts.concurrency or 1)
+             for t in measured], p.model, profile, gpus, engine=p.adapter, draft=p.draft)
+    known = {record.effective_key(p.adapter, t.user_attrs.get("config") or t.user_attrs.get("seed_config") or {}) for t in trials}
+    out = []
+    for config, prediction in predict.rank_configs(
+            p.space, p.model, profile, gpus, top=4 * PREDICTED_SEEDS, concurrency=p.opts.concurrency or 1,
+            engine=p.adapter, draft=p.draft, has_draft_model=bool(p.opts.draft_model), calibration=calibration):
+        key = record.effective_key(p.adapter, config)
+        if key not in known and len(out) < PREDICTED_SEEDS:
+            known.add(key)
+            out.append((config, record.json_ready(prediction.to_dict())))
+    return out
+
+
+def summarize(study: optuna.Study, objective: str, defaults: dict):
+    """(winner, the default configuration's trial, winner's gain over it) among measured trials."""
+    ok = [t for t in study.get_trials(deepcopy=False) if record.is_ok(t)]
+    if not ok:
+        return None, None, None
+    _, direction = objectives.metrics(objective)[0]
+    pick = max if direction == "maximize" else min
+    best = pick(ok, key=lambda t: t.values[0])
+    measured = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))  # an SLO miss still has a speed
+    default = next((t for t in measured if t.user_attrs.get("config") == defaults), None)
+    gain = None
+    if default is not None and default.values[0] and best.values[0]:
+        gain = best.values[0] / default.values[0] if direction == "maximize" else default.values[0] / best.values[0]
+    return best, default, gain
+
+
+class Fleet:
+    """N trial runners in this process (threads), each with its own engine server (trial.Servers) on its
+    own slot of the machine: GPUs and a port from the packer."""
+
+    def __init__(self, p: Plan, slots: int | None = None):
+        self.p = p
+        self.pool, self.ports = packing.GpuPool.for_hardware(p.hardware), packing.PortBook()
+        self.aborted = False  # Ctrl-C twice, or a runner failed: stop at once
+        self.out_of_time = False
+        self.servers = [Servers(p, slot=packing.Slot(self.pool, self.ports, lambda: self.aborted, adapter=p.adapter))
+                        for _ in range(slots or p.opts.parallel)]
+        self.running: dict[int, optuna.Trial] = {}  # runner index -> its trial in flight
+        self.lock = threading.Lock()
+        self.durations: list[float] = []
+        self.idle = 0
+        self.errors: list[BaseException] = []
+        self.last_sweep = 0.0
+
+    @property
+    def launches(self) -> int:
+        return sum(s.launches for s in self.servers)
+
+    @property
+    def saved(self) -> int:
+        return sum(s.saved for s in self.servers)
+
+    def stop(self):
+        for s in self.servers:
+            s.stop()
+
+    def run(self, study: optuna.Study, view, stop, deadline: float | None = None) -> None:
+        """Run trials until the study holds opts.trials measured ones, the deadline (time.time())
+        would be overrun, or `stop.requested`. A second Ctrl-C fails our trials in flight as
+        interrupted and stops their servers."""
+        if deadline is None and self.p.opts.budget_s:
+            deadline = time.time() + self.p.opts.budget_s
+        self.study, self.view, self.stop_request, self.deadline = study, view, stop, deadline
+        threads = [threading.Thread(target=self._runner, args=(i,), daemon=True) for i in range(len(self.servers))]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():  # short joins: Ctrl-C reaches the main thread
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            self.aborted = True
+            for trial in list(self.running.values()):
+                fail(study, trial._trial_id, "interrupted", "stopped by the user", status=record.INTERRUPTED)
+            self.stop()
+            raise
+        if self.errors:
+            raise self.errors[0]
+
+    def _runner(self, i: int):
+        servers = self.servers[i]
+        try:
+            while (trial := self._next_trial(servers)) is not None:
+                self.running[i] = trial
+                t0 = time.monotonic()
+                try:
+                    with Heartbeat(self.study, trial):
+                        frozen = run_trial(self.study, trial, self.p, servers, self.view)
+                except Exception as e:  # an abort (packing.Cancelled) or a storage error mid-trial
+                    aborted = self.aborted
+                    fail(self.study, trial._trial_id, "interrupted" if aborted else "error", f"{type(e).__name__}: {e}",
+                         status=record.INTERRUPTED if aborted else record.FAILED)
+                    if aborted:
+                        return
+                    raise
+                finally:
+                    self.running.pop(i, None)
+                with self.lock:
+                    if frozen.user_attrs.get("measured"):
+                        self.idle = 0
+                        self.durations.append(time.monotonic() - t0)
+                    else:
+                        self.idle += 1
+                    self.view.finished(frozen, self.study)
+                    storage.write_trials(self.study, self.p.directory / "trials.parquet")
+                if self.pool.waiting():  # an idle server must not hold GPUs another trial waits for
+                    servers.stop()
+        except Exception as e:  # noqa: BLE001 - reported by run() in the main thread
+            self.errors.append(e)
+            self.aborted = True
+        finally:
+            servers.stop()
+
+    def _next_trial(self, servers) -> optuna.Trial | None:
+        """Ask the study for one more trial, wait while the trials in flight may still complete it, or stop."""
+        opts = self.p.opts
+        while True:
+            with self.lock:
+                if self.aborted or self.stop_request.requested or self.idle >= MAX_IDLE_ASKS:
+                    return None
+                if self.deadline and self.durations:
+                    typical = sorted(self.durations)[len(self.durations) // 2]
+                    if self.deadline - time.time() < typical:  # the next trial would overrun
+                        if not self.out_of_time:
+                            self.view.note("budget reached: no new trials")
+                        self.out_of_time = True
+                        return None
+                if time.monotonic() - self.last_sweep > HEARTBEAT_S:
+                    self.last_sweep = time.monotonic()
+                    fail_stale(self.study)
+                trials = self.study.get_trials(deepcopy=False)
+                measured = sum(bool(t.user_attrs.get("measured")) for t in trials)
+                running = sum(t.state == TrialState.RUNNING for t in trials)
+                if measured >= opts.trials:
+                    return None
+                if measured + running < opts.trials:
+                    return self.study.ask()
+            if self.pool.waiting():  # a trial in flight may wait for the GPUs our idle server holds
+                servers.stop()
+            time.sleep(WAIT_S)

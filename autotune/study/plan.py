@@ -1,0 +1,124 @@
+"""What a run is asked to do, checked before anything is touched: `RunOptions` (the command line's
+values) -> `build(opts)` -> `Plan` (engine adapter, space, hardware, workload, SLO, model, storage).
+Bad input stops here with a one-line ValueError, leaving an existing study.db as it was."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autotune import predict
+from autotune.bench import load_workload, parse_slo
+from autotune.engines import get_adapter
+from autotune.engines.base import EngineAdapter
+from autotune.hardware import probe
+from autotune.space import constraints
+from autotune.space.space import Space, load_overrides, load_space, parse_set_options, parse_space
+from autotune.study import objectives, storage
+from autotune.study.parallel import arrange
+
+DEFAULT_TRIALS = 25
+RUN_OPTIONS = ("workload", "slo", "concurrency", "num_requests", "max_tokens", "seed", "model", "draft_model")
+
+
+@dataclass
+class RunOptions:
+    engine: str = "embedded"
+    model: str | None = None
+    draft_model: str | None = None
+    workload: str = "code"
+    slo: str | None = None
+    objective: str = "throughput"
+    trials: int = DEFAULT_TRIALS
+    budget_s: float | None = None
+    study: str | None = None
+    storage: str | None = None
+    resume: bool = False
+    sets: list[str] = field(default_factory=list)  # --set name=value
+    space: str | None = None  # a full space YAML (has `parameters`) or a narrowing file
+    concurrency: int | None = None
+    num_requests: int | None = None
+    quick_requests: int | None = None
+    max_tokens: int | None = None
+    gpu: str = "auto"
+    studies_root: str | None = None
+    launch_timeout_s: float = 300.0
+    seed: int = 0
+    live: bool = True
+    parallel: int | str = 1  # trials side by side: a number or "auto" (autotune/study/parallel.py)
+
+
+@dataclass
+class Plan:
+    """Everything checked before storage is touched: bad input stops here, leaving study.db as it was."""
+    opts: RunOptions
+    name: str
+    storage: str
+    directory: Path
+    space: Space
+    adapter: EngineAdapter
+    hardware: object
+    workload: object
+    slo: object | None
+    shape: constraints.ModelShape | None
+    model: predict.ModelSpec  # what the memory and speed predictions read
+    draft: predict.ModelSpec | None
+
+
+def parse_duration(text: str) -> float:
+    """"90s", "30m", "1h30m", "2h" or plain seconds -> seconds."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not text.strip() or not parts or not any(parts.groups()):
+        raise ValueError(f"--budget {text!r}: expected a duration such as 90s, 30m, 1h30m")
+    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
+    return h * 3600 + m * 60 + sec
+
+
+def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOptions:
+    """RunOptions from the command line's values, with the defaults that depend on other flags."""
+    if resume and not study:
+        raise ValueError("--resume needs --study NAME (the study to continue)")
+    adapter = get_adapter(engine)  # raises for an unknown engine
+    budget_s = parse_duration(budget) if budget else adapter.default_budget_s
+    for name, value in adapter.default_load.items():
+        if rest.get(name) is None:
+            rest[name] = value
+    return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,
+                      resume=resume, study=study, **rest)
+
+
+def build(opts: RunOptions) -> Plan:
+    """Resolve and validate every input; raises ValueError (one line) on anything unusable."""
+    objectives.metrics(opts.objective)
+    if opts.trials < 1:
+        raise ValueError("--trials must be at least 1")
+    for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
+        if path and not Path(path).exists():
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    adapter = get_adapter(opts.engine)  # raises for an unknown engine
+    if not adapter.installed():
+        raise ValueError(f"{opts.engine} is not installed on this machine (pip install {opts.engine}); "
+                         "--engine embedded runs anywhere")
+    space = load_space(opts.engine)
+    overrides: dict = {}
+    if opts.space:
+        data = load_overrides(opts.space)
+        if "parameters" in data:
+            space = parse_space(data, source=opts.space)
+        else:
+            overrides.update(data)
+    overrides.update(parse_set_options(opts.sets))
+    space = space.narrowed(overrides)
+    hardware = probe(opts.gpu)
+    model = predict.load_model(opts.model)  # None: the bundled SmolLM2
+    shape = constraints.ModelShape.of(model)
+    draft = predict.load_model(opts.draft_model) if opts.draft_model else None
+    space = constraints.restrict_space(space, hardware, shape, opts.draft_model, adapter=adapter)
+    space, opts.parallel = arrange(space, hardware, opts.parallel, adapter)  # "auto" resolved; CPU threads shared
+    workload = load_workload(opts.workload)
+    slo = parse_slo(opts.slo) if opts.slo else None
+    name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    directory = storage.study_dir(name, opts.studies_root)
+    url = opts.storage or storage.default_storage(name, opts.studies_root)
+    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, model, draft)
