@@ -139,7 +139,8 @@ def probe(
 @app.command()
 def run(
     gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
-    engine: str = typer.Option("embedded", help="embedded | sglang | vllm"),
+    engine: str = typer.Option("embedded", help="embedded | llamacpp | sglang | vllm"),
+    engine_binary: str = typer.Option(None, help="llamacpp: your own llama-server build (default: bash setup.sh llamacpp's)"),
     model: str = typer.Option(None, help="model path (default: the engine's default; the bundled SmolLM2-135M for embedded)"),
     draft_model: str = typer.Option(None, help="draft checkpoint: adds drafter=draft_model to the space"),
     workload: str = typer.Option("code", help="shipped workload name or a JSONL/ShareGPT file"),
@@ -169,7 +170,7 @@ def run(
             engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
-            parallel=parallel)
+            parallel=parallel, engine_binary=engine_binary)
         the_plan = plan.build(opts)
         outcome = loop.run_study(the_plan, console=Console())
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched

@@ -98,6 +98,15 @@ def failed(rec: RequestRecord, kind: str, message: str) -> RequestRecord:
     return rec
 
 
+def timings_usage(timings: dict) -> dict:
+    """llama-server's `timings` as speculative counters: every verify step yields its accepted drafts
+    plus one token of the target's, so steps = tokens predicted - drafts accepted."""
+    drafted, accepted, predicted = (timings.get(k) for k in ("draft_n", "draft_n_accepted", "predicted_n"))
+    if drafted is None or accepted is None or not predicted:
+        return {}
+    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_verify_steps": predicted - accepted}
+
+
 def read_chunk(rec: RequestRecord, chunk: dict, t: float):
     if "error" in chunk:
         err = chunk["error"]
@@ -108,6 +117,8 @@ def read_chunk(rec: RequestRecord, chunk: dict, t: float):
     rec.usage.update(usage)
     if isinstance(chunk.get("meta_info"), dict):  # SGLang native fields (spec_verify_ct)
         rec.usage.update(chunk["meta_info"])
+    if isinstance(chunk.get("timings"), dict):  # llama.cpp's server: draft_n / draft_n_accepted per request
+        rec.usage.update(timings_usage(chunk["timings"]))
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
         text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""

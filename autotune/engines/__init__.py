@@ -11,6 +11,7 @@ REGISTRY = {
     "embedded": "autotune.engines.embedded:EmbeddedAdapter",
     "sglang": "autotune.engines.sglang:SGLangAdapter",
     "vllm": "autotune.engines.vllm:VLLMAdapter",
+    "llamacpp": "autotune.engines.llamacpp:LlamaCppAdapter",
 }
 ENGINES = tuple(REGISTRY)
 

@@ -1,13 +1,13 @@
-"""What the SGLang and vLLM adapters share: their captured flag schema, argv checks against it (and
+"""What every engine adapter shares: the EngineAdapter interface, the captured flag schema, argv checks against it (and
 against the installed engine's own parser), and rewriting flags that were renamed."""
 import difflib
 import functools
 import importlib.util
 import json
-from importlib import metadata
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from autotune.predict.knobs import Knobs
@@ -203,6 +203,8 @@ class EngineAdapter:
     # ci: host facts beyond GPUs, driver and versions that decide this engine's speed (a CPU engine's
     # CPU model, thread count and native dtypes).
     fingerprint_keys: tuple[str, ...] = ()
+    # space: choices of a parameter that draft with a second checkpoint, offered only with --draft-model.
+    needs_draft_model: dict[str, tuple] = {}
     # predict (autotune/predict/): the config key of the tensor-parallel size (None: no TP); the keys the
     # memory and speed model read (what `autotune estimate` enumerates); how the engine splits a GPU:
     # "static_fraction" (weights + KV pool inside a fraction, the workspace outside it), "utilization"
@@ -218,6 +220,14 @@ class EngineAdapter:
     def installed(self) -> bool:
         """Whether this machine can launch the engine at all."""
         return importlib.util.find_spec(self.name) is not None
+
+    def use_binary(self, path: str) -> None:
+        """`--engine-binary PATH`: launch this build of the engine instead of the installed one."""
+        raise ValueError(f"--engine-binary: the {self.name} engine runs as a Python module, not a binary")
+
+    def missing(self) -> str:
+        """One line: how to install the engine on this machine."""
+        return f"{self.name} is not installed on this machine (pip install {self.name}); --engine embedded runs anywhere"
 
     def installed_version(self) -> str | None:
         try:

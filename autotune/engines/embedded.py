@@ -56,6 +56,7 @@ class EmbeddedAdapter(EngineAdapter):
     spec_counters = ("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
                      "autotune_spec_accepted_tokens_total")
     fingerprint_keys = ("cpu", "torch_threads", "fast_dtypes")
+    needs_draft_model = {"drafter": ("draft_model",)}
     modelled = ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization")
     # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU
     # machine); with the weights it must fit default_memory_fraction of a GPU, or the available RAM.

@@ -94,8 +94,9 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
         if name in params and not params[name].pinned:
             params[name] = replace(params[name], **changes)
 
-    if "drafter" in params and not draft_model:
-        narrow("drafter", choices=[c for c in params["drafter"].choices if c != "draft_model"])
+    for key, values in adapter.needs_draft_model.items():  # e.g. drafter=draft_model without --draft-model
+        if key in params and not draft_model:
+            narrow(key, choices=[c for c in params[key].choices if c not in values])
     if "quantization" in params:
         narrow("quantization", choices=[c for c in params["quantization"].choices
                                         if _fp8_allowed(c, _fp8_mode(hw)) and not (c == "gguf" and _gpu_count(hw))])

@@ -47,6 +47,7 @@ class RunOptions:
     seed: int = 0
     live: bool = True
     parallel: int | str = 1  # trials side by side: a number or "auto" (autotune/study/parallel.py)
+    engine_binary: str | None = None  # a user's own build of a binary engine (llama-server)
 
 
 @dataclass
@@ -97,9 +98,10 @@ def build(opts: RunOptions) -> Plan:
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path}: no such file or directory")
     adapter = get_adapter(opts.engine)  # raises for an unknown engine
+    if opts.engine_binary:
+        adapter.use_binary(opts.engine_binary)
     if not adapter.installed():
-        raise ValueError(f"{opts.engine} is not installed on this machine (pip install {opts.engine}); "
-                         "--engine embedded runs anywhere")
+        raise ValueError(adapter.missing())
     space = load_space(opts.engine)
     overrides: dict = {}
     if opts.space:

