@@ -24,6 +24,7 @@ from autotune.export import hardware_line, versions
 from autotune.study.record import is_ok
 from autotune.study.storage import StudyContext, load_study
 from autotune.validate import baseline_config
+
 NO_DRAFTER = (None, "none")
 PNG_FIGURES = ("history", "pareto", "draft_length", "latency")
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}

@@ -8,8 +8,8 @@ import gguf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.bench import load_workload
-from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from autotune.embedded.bundled import bundled_gguf_path
+from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import Launcher, launch
 
