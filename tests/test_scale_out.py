@@ -312,12 +312,12 @@ def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(pos
     assert export.exit_code == 0 and "--drafter ngram" in (studies / "out" / "launch.sh").read_text(), export.output
 
 
-def recorded_heartbeat(study: optuna.Study, trial: optuna.Trial):
+def recorded_heartbeat(rdb, trial: optuna.Trial):
     """The trial's last heartbeat as the database holds it (None before the first)."""
     from optuna.storages._rdb.models import TrialHeartbeatModel
     from optuna.storages._rdb.storage import _create_scoped_session
 
-    with _create_scoped_session(study._storage.scoped_session) as session:
+    with _create_scoped_session(rdb.scoped_session) as session:
         beat = TrialHeartbeatModel.where_trial_id(trial._trial_id, session)
         return None if beat is None else beat.heartbeat
 
@@ -328,21 +328,22 @@ def test_heartbeats_keep_a_live_remote_trial_and_fail_a_silent_one(postgres, mon
     # stopped an hour ago leaves it: no sleeping through the grace period.
     monkeypatch.setattr(parallel, "HEARTBEAT_S", 1)
     monkeypatch.setattr(parallel, "GRACE_S", 60)
-    study = optuna.create_study(study_name="beats", storage=parallel.open_storage(postgres))
+    rdb = parallel.open_storage(postgres)
+    study = optuna.create_study(study_name="beats", storage=rdb)
     remote, silent, unclaimed = study.ask(), study.ask(), study.ask()
     for trial in (remote, silent):  # runners on another machine: only their heartbeat can tell
         study._storage.set_trial_system_attr(trial._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
     study._storage.record_heartbeat(silent._trial_id)
     from sqlalchemy import text
 
-    with study._storage.engine.begin() as db:
+    with rdb.engine.begin() as db:
         db.execute(text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 hour' WHERE trial_id = :id"),
                    {"id": silent._trial_id})
     with parallel.Heartbeat(study, remote):
         study._storage.set_trial_system_attr(remote._trial_id, parallel.RUNNER, "elsewhere pid:[1] 7")
         beats, deadline = set(), time.monotonic() + 60
         while len(beats) < 3 and time.monotonic() < deadline:  # it keeps beating: three distinct beats
-            beats.add(recorded_heartbeat(study, remote))
+            beats.add(recorded_heartbeat(rdb, remote))
             beats.discard(None)
             time.sleep(0.05)
         assert len(beats) >= 3, beats
