@@ -1,4 +1,10 @@
-"""The `autotune` command line: parses arguments, calls into the packages, prints."""
+"""The `autotune` command line: parses arguments, calls into the packages, prints.
+
+Each command imports what it runs inside its function: `autotune --help` and a one-line error on bad
+input must not wait for torch, the engines and plotly to load.
+"""
+import dataclasses
+
 import typer
 
 app = typer.Typer(
@@ -54,6 +60,7 @@ def serve(
     log_level: str = typer.Option("info", help=" | ".join(_LOG_LEVELS)),
 ):
     """Serve a model with the embedded speculative-decoding engine (OpenAI API, /health, /metrics)."""
+    options = dict(locals())  # the parsed flags: EngineConfig's fields by name, and the server's own
     try:
         graph_sizes = [int(s) for s in cuda_graph_batch_sizes.split(",") if s.strip()]
     except ValueError:
@@ -64,12 +71,8 @@ def serve(
     if problem:
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(2)
-    config = _engine_config.EngineConfig(
-        model=model, draft_model=draft_model, drafter=drafter, draft_length=draft_length, draft_policy=draft_policy,
-        draft_estimator=draft_estimator, early_exit_layers=early_exit_layers, ngram_min=ngram_min,
-        ngram_max=ngram_max, verify_slots=verify_slots, prefill_ubatch=prefill_ubatch, dtype=dtype,
-        quantization=quantization, compile=compile, cuda_graph_batch_sizes=graph_sizes, threads=threads,
-        device=device, max_seq_len=max_seq_len, seed=seed)
+    options["cuda_graph_batch_sizes"] = graph_sizes
+    config = _engine_config.EngineConfig(**{f.name: options[f.name] for f in dataclasses.fields(_engine_config.EngineConfig)})
 
     import logging
     import os
@@ -336,13 +339,13 @@ def _fail(e: BaseException, code: int = 2):
 @app.command()
 def validate(
     study: str = typer.Argument(..., help=_STUDY_HELP),
-    top: int = typer.Option(3, help="best distinct configurations to relaunch"),
-    repeats: int = typer.Option(3, help="benchmarks of each, on one fresh server"),
+    top: int = typer.Option(None, help="best distinct configurations to relaunch [default: 3]"),
+    repeats: int = typer.Option(None, help="benchmarks of each, on one fresh server [default: 3]"),
     storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
     slo: str = typer.Option(None, help="SLO to re-check on every repeat (default: the study's)"),
-    max_noise: float = typer.Option(0.10, help="demote when the objective's MAD exceeds this share of its median"),
-    quality_prompts: int = typer.Option(4, help="greedy prompts compared with the baseline"),
-    quality_tokens: int = typer.Option(32, help="tokens generated per greedy prompt"),
+    max_noise: float = typer.Option(None, help="demote when the objective's MAD exceeds this share of its median [default: 0.1]"),
+    quality_prompts: int = typer.Option(None, help="greedy prompts compared with the baseline [default: 4]"),
+    quality_tokens: int = typer.Option(None, help="tokens generated per greedy prompt [default: 32]"),
     concurrency: int = typer.Option(None, help="override the study's load"),
     num_requests: int = typer.Option(None, help="override the study's load"),
     max_tokens: int = typer.Option(None, help="override the study's load"),
@@ -350,9 +353,10 @@ def validate(
     """Relaunch the study's best configurations fresh, benchmark each N times, write best/validation.json."""
     from autotune import validate as validation
 
+    given = {"top": top, "repeats": repeats, "max_noise": max_noise, "quality_prompts": quality_prompts,
+             "quality_tokens": quality_tokens}  # unset: validate's own defaults (the [default] in the help)
     try:
-        doc = validation.validate(study, storage=storage, top=top, repeats=repeats, slo=slo, max_noise=max_noise,
-                                  quality_prompts=quality_prompts, quality_tokens=quality_tokens,
+        doc = validation.validate(study, storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
                                   load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
     except (ValueError, OSError) as e:
         _fail(e)

@@ -24,10 +24,6 @@ class BenchResult:
     requests: pd.DataFrame  # one row per measured request (warm-up excluded)
     summary: dict
 
-    def save(self, path: str | Path) -> tuple[Path, Path]:
-        """Writes path (JSON: summary and rows) and the same name with .parquet (the rows)."""
-        return save_results([self], path)
-
 
 def save_results(results: list[BenchResult], path: str | Path) -> tuple[Path, Path]:
     path = Path(path)

@@ -105,7 +105,7 @@ def rule_violations(c: EngineConfig) -> list[str]:
     if any(b < 1 for b in c.cuda_graph_batch_sizes or []):
         out.append("cuda_graph_batch_sizes must be positive")
     if c.quantization == "gguf" and (c.dtype != "float32" or c.compile != "none"):
-        out.append("quantization gguf runs the GGUF's blocks in float32 through a C kernel torch.compile cannot "
+        out.append("quantization gguf runs the GGUF's blocks on the CPU in float32 through a C kernel torch.compile cannot "
                    "trace: needs dtype float32, compile none")
     if c.drafter == "quantized_self" and c.quantization != "none":
         out.append("drafter quantized_self drafts with an int8 copy of a float target: needs quantization none")

@@ -195,7 +195,7 @@ def build_app(engine) -> Starlette:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.model_name, "device": str(engine.device)})
 
-    registry = metrics.registry(engine.stats)
+    registry = metrics.registry(lambda: engine.stats())  # read at each scrape, as the engine is then
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)

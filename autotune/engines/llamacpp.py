@@ -117,6 +117,10 @@ class LlamaCppAdapter(EngineAdapter):
             out.append(f"spec_type {spec} drafts with a second model: needs --draft-model (-md)")
         if spec == "draft-mtp":
             out.append("spec_type draft-mtp needs a checkpoint with MTP layers; the spaces do not offer it")
+        for prefix in ("spec_ngram_simple_", "spec_ngram_map_k_", "spec_ngram_map_k4v_"):
+            n, m = c.get(prefix + "size_n", 12), c.get(prefix + "size_m", 48)
+            if spec.replace("-", "_") == prefix[5:-1] and m < n:
+                out.append(f"{prefix}size_m {m} < {prefix}size_n {n}: the server would draft nothing")
         low, high = c.get("spec_draft_n_min", 0), c.get("spec_draft_n_max", 3)
         if spec != "none" and low > high:
             out.append(f"spec_draft_n_min {low} must be <= spec_draft_n_max {high}")
@@ -149,7 +153,8 @@ class LlamaCppAdapter(EngineAdapter):
         c = settings(config)
         spec = c.get("spec_type")
         drafter = "draft" if spec in DRAFT_MODEL_TYPES else "lookup" if spec in NGRAM_TYPES else None
-        steps = int(c.get("spec_draft_n_max", 3)) if drafter else 0
+        # a draft model drafts n_max tokens a step; n-gram lookup up to its size_m (a long run is rare)
+        steps = int(c.get("spec_draft_n_max", 3)) if drafter == "draft" else 8 if drafter else 0
         read = {"quantization": "gguf", "kv_cache_dtype": CACHE_AS.get(c.get("cache_type_k", "f16"), "float16")}
         return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=steps + 1,
                           cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
