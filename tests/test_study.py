@@ -134,13 +134,15 @@ def test_engine_crash_at_startup_is_recorded_and_study_goes_on(studies):
 
 @pytest.mark.slow
 def test_hardware_and_memory_violations_rejected_before_launch(studies):
+    # --gpu cpu: CUDA graphs are refused because the run is told it has no GPU, whatever this machine has.
     outcome = loop.run_study(plan.build(plan.RunOptions(
-        trials=1, study="cuda-on-cpu", sets=["cuda_graph_batch_sizes=[1,2]", "verify_slots=1000"], **SMALL)))
+        trials=1, study="cuda-on-cpu", gpu="cpu", sets=["cuda_graph_batch_sizes=[1,2]", "verify_slots=100000"],
+        **SMALL)))
     trials = trials_of(outcome)
     assert outcome.launches == 0 and outcome.best is None
     assert trials and all(t.user_attrs["status"] == "rejected" and t.state == TrialState.PRUNED for t in trials)
     assert "CUDA" in trials[0].user_attrs["failure"] and trials[0].user_attrs["failure_kind"] == "hardware"
-    # 1000 slots x 2048 tokens of KV cache cannot fit this machine's RAM: the prediction says so, with numbers.
+    # 100,000 slots x 2048 tokens of KV cache (~9 TB) fit no machine's RAM: the prediction says so, with numbers.
     memory = trials[0].user_attrs["memory"]
     assert not memory["fits"] and memory["weights_gb"] > 0 and memory["kv_gb_per_1k_tokens"] > 0
     assert "memory: does not fit" in trials[0].user_attrs["failure"] and "GB" in memory["reason"]
@@ -176,8 +178,8 @@ def test_predicted_configurations_are_new_and_fit(studies):
     study.enqueue_trial(p.space.trial_params(first[0][0]), user_attrs={"seed_config": first[0][0]})
     again = [record.effective_key(p.adapter, c) for c, _ in loop.predicted_configs(p, study)]
     assert record.effective_key(p.adapter, first[0][0]) not in again and len(again) == loop.PREDICTED_SEEDS
-    # No GPU: the roofline's CPU ranking is flat, nothing is proposed.
-    assert loop.predicted_configs(plan.build(plan.RunOptions(study="cpu", **SMALL)), study) == []
+    # No GPU (--gpu cpu, whatever this machine has): the roofline's CPU ranking is flat, nothing is proposed.
+    assert loop.predicted_configs(plan.build(plan.RunOptions(study="cpu", gpu="cpu", **SMALL)), study) == []
 
 
 def cli(*args, env_dir, **kw):
