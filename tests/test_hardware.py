@@ -33,7 +33,7 @@ def test_real_h200_capture_is_h200_sxm_hopper_with_native_fp8():
     assert (gpu.pcie_gen, gpu.pcie_width, gpu.mig_mode, gpu.nvlink_active_links) == (5, 16, "disabled", 0)
     assert gpu.board_part_number == "692-2G520-0282-000"
     assert (
-        hw.profile.name == "h200-sxm" and hw.profile.fp8_mode == "native" and hw.profile.supports_dtype("fp8")
+        hw.profile.name == "h200-sxm" and hw.profile.fp8_mode == "native" and "fp8" in hw.profile.peak_tflops
     )
     assert (hw.driver_version, hw.cuda_driver_version, hw.nvml_version) == (
         "580.159.04",
@@ -177,7 +177,7 @@ def test_profiles_are_complete_and_consistent():
             continue
         cc = tuple(map(int, p.compute_capability.split(".")))
         assert p.fp8_mode == ("native" if cc >= (8, 9) else "marlin_w8a16"), p.name
-        assert p.supports_dtype("fp8") == (p.fp8_mode == "native")
+        assert ("fp8" in p.peak_tflops) == (p.fp8_mode == "native")  # FP8 units: a peak of their own
         assert p.memory_gb > 0 and p.memory_bandwidth_gbps > 0 and p.power_limit_w > 0
         assert (
             p.peak_tflops["fp32"] <= p.peak_tflops["tf32"] <= p.peak_tflops["bf16"] <= p.peak_tflops["int8"]

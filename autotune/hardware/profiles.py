@@ -36,12 +36,6 @@ class Profile:
     def is_gpu(self) -> bool:
         return self.form_factor != "cpu"
 
-    def supports_dtype(self, dtype: str) -> bool:
-        """True when the hardware computes in `dtype` (FP8 via Marlin is weight-only: see `fp8_mode`)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-        return dtype in self.peak_tflops
-
     def to_dict(self) -> dict:
         return asdict(self)
 
