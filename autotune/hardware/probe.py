@@ -5,7 +5,7 @@ from pathlib import Path
 
 from autotune.hardware.classify import cpu_facts, gpu_facts, match_profile, nvml_topology
 from autotune.hardware.facts import GpuInfo, Hardware
-from autotune.hardware.gather import gather
+from autotune.hardware.gather import VERSIONED_PACKAGES, gather
 from autotune.hardware.parse import parse_smi_q, parse_topo
 from autotune.hardware.profiles import Profile, get_profile, load_profiles
 
@@ -110,7 +110,7 @@ def _nth(items: list[dict], i: int) -> dict:
 
 
 def _versions(evidence: dict) -> dict[str, str | None]:
-    versions = {k: v for k, v in (evidence.get("versions") or {}).items() if k in ("torch", "sglang", "vllm")}
+    versions = {k: v for k, v in (evidence.get("versions") or {}).items() if k in VERSIONED_PACKAGES}
     versions.setdefault("torch", _text(evidence.get("torch")))
     # Older captures wrote "absent: ModuleNotFoundError" for a missing package.
     return {k: None if v is None or v.startswith("absent") else v for k, v in versions.items()}
