@@ -1,7 +1,7 @@
 """The draft-length estimator against the best single fixed draft length, on the embedded engine.
 
     python3 benchmarks/bench_estimator.py [--out DIR] [--rows ROWS.parquet] [--collect-limit 36]
-        [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--reference]
+        [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--no-reference]
         [--rotation 0] [--threads 1] [--drafter ngram]
     python3 benchmarks/bench_estimator.py --estimator E.json --combine EVAL_DIR [EVAL_DIR ...]
 
@@ -9,10 +9,13 @@
    temperatures 0..1 round robin; each prompt at every k of --ks, back to back) on a fresh server, or
    the rows of an earlier pass (--rows).
 2. Evaluate on the held-out mixed workload (temperatures 0..1): one server loaded with the estimator;
-   per request the estimator arm, each fixed k >= 1 and (--reference) k = 0 run back to back in rotating
-   order; a repeat is a full pass. Prints pooled tok/s per arm, estimator / best fixed k with a bootstrap
-   90 % interval, the median paired per-request ratio, the per-bucket table and whether the greedy
-   (temperature 0) outputs are identical. Writes DIR/estimator.json, DIR/estimator-eval/eval.json.
+   per request the estimator arm, each fixed k >= 1 and k = 0 (speculation off; --no-reference drops it)
+   run back to back in rotating order; a repeat is a full pass. Every fixed arm, k = 0 included, competes
+   for "best fixed". Prints pooled tok/s per arm, estimator / best fixed k with a bootstrap 90 % interval
+   (the best fixed arm chosen again on each resample; beside it the interval with the pooled winner
+   frozen, and how often each fixed arm won a resample), the median paired per-request ratio, the
+   per-bucket table and whether the greedy (temperature 0) outputs are identical. Writes
+   DIR/estimator.json, DIR/estimator-eval/eval.json.
 3. --combine: pool several such runs (e.g. the same estimator, another --rotation) into one comparison.
 """
 import argparse
@@ -41,7 +44,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--fixed", default="1,2,4,8", help="fixed draft lengths (>= 1) compared")
-    parser.add_argument("--reference", action="store_true", help="also run k = 0 (speculation off), reported only")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="run k = 0 (speculation off) as a fixed arm that competes for best fixed (default; "
+                             "--no-reference leaves it out)")
     parser.add_argument("--rotation", type=int, default=0, help="which arm goes first on the first request")
     parser.add_argument("--combine", nargs="+", metavar="EVAL_DIR",
                         help="pool the eval-requests.parquet of these runs of --estimator (no new measurement)")
@@ -93,7 +98,11 @@ def show(doc: dict):
           json.dumps({a: v and round(v, 3) for a, v in doc["modelled_speed"].items()}))
     print(pd.DataFrame(doc["buckets"]).round(3).to_string(index=False))
     low, high = doc["gain_interval_90"]
-    print(f"estimator / best fixed ({best}): {1 + doc['gain']:.3f} (90 % bootstrap {1 + low:.3f}..{1 + high:.3f}; "
+    frozen_low, frozen_high = doc["gain_interval_90_frozen_arm"]
+    print("best fixed arm per bootstrap resample:",
+          json.dumps({a: round(v, 3) for a, v in doc["best_fixed_bootstrap_share"].items() if v}))
+    print(f"estimator / best fixed ({best}): {1 + doc['gain']:.3f} (90 % bootstrap {1 + low:.3f}..{1 + high:.3f}, "
+          f"best fixed re-chosen per resample; {1 + frozen_low:.3f}..{1 + frozen_high:.3f} with {best} frozen; "
           f"median paired per-request ratio {doc['paired_ratio_median']:.3f}); greedy outputs differ from {best} on "
           f"{len(doc['greedy_outputs_differ'])} of {doc['greedy_requests']}, from any arm on "
           f"{len({i for v in doc['greedy_outputs_differ_any_arm'].values() for i in v})}")
