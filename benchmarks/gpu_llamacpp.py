@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autotune.bench import load_workload  # noqa: E402
+from autotune.bench import load_workload
 
 PLAIN = "llama plain"
 PAIRS = [("llama ngram8", PLAIN), ("embedded plain", PLAIN), ("embedded ngram8", PLAIN),
@@ -38,7 +40,7 @@ PAIRS = [("llama ngram8", PLAIN), ("embedded plain", PLAIN), ("embedded ngram8",
 
 def servers(args) -> list[tuple[str, list[str], int]]:
     host = ["--host", "127.0.0.1"]
-    llama = [args.llama_server, "-m", args.gguf, *host]
+    llama = [args.llama_server, "-m", args.gguf, *host, "--metrics"]  # /metrics: its draft counters
     embedded = [sys.executable, "-m", "autotune.cli", "serve", "--model", args.gguf, *host, "--device", args.device,
                 *args.embedded_args.split()]
     spec = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
@@ -95,6 +97,24 @@ def one_request(client: httpx.Client, port: int, body: dict, max_tokens: int) ->
             "accept_length": usage.get("accept_length")}
 
 
+def spec_metrics(client: httpx.Client, port: int) -> dict:
+    """The server's speculative-decoding counters from /metrics (cumulative), if it exposes them."""
+    try:
+        text = client.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError as e:
+        return {"error": str(e)}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not any(k in line for k in ("spec", "draft", "accept")):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
 def bootstrap_median(values: list[float], resamples: int = 10000, seed: int = 0) -> list[float] | None:
     v = np.asarray(values, dtype=float)
     if v.size < 2:
@@ -134,17 +154,19 @@ def summarise(rows: list[dict], names: list[str], workloads: list[str]) -> dict:
 
 
 def markdown(summary: dict, meta: dict) -> str:
-    fmt = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-    lines = [f"Paired run: {meta['rounds']} rounds per workload (after {meta['warmup']} warm-up), "
-             f"{meta['max_tokens']} greedy tokens, batch 1, order rotated per round.", ""]
+    def fmt(x, d=0):
+        return "-" if x is None or math.isnan(x) else f"{x:.{d}f}"
+
+    lines = [(f"Paired run: {meta['rounds']} rounds per workload (after {meta['warmup']} warm-up), "
+              f"{meta['max_tokens']} greedy tokens, batch 1, order rotated per round."), ""]
     for w, s in summary.items():
-        lines += [f"### workload `{w}`", "", "| server | median tok/s | 95% CI of median | min..max | "
-                  "llama decode tok/s | draft accept | tokens |", "| --- | ---: | --- | --- | ---: | ---: | --- |"]
+        head = "| server | median tok/s | 95% CI of median | min..max | llama decode tok/s | draft accept | tokens |"
+        lines += [f"### workload `{w}`", "", head, "| --- | ---: | --- | --- | ---: | ---: | --- |"]
         for n, v in s["servers"].items():
             ci = v["ci95"]
             dec = v["median_decode_tok_s_llama"]
             lines.append(f"| {n} | {fmt(v['median_tok_s'])} | {fmt(ci[0]) + '..' + fmt(ci[1]) if ci else '-'} | "
-                         f"{fmt(v['min'])}..{fmt(v['max'])} | {'-' if dec != dec else fmt(dec)} | "
+                         f"{fmt(v['min'])}..{fmt(v['max'])} | {fmt(dec)} | "
                          f"{fmt(v['draft_accept_rate'], 2)} | {v['tokens']} |")
         lines += ["", "| ratio (paired by round) | pairs | median | 95% CI | min..max | same text |",
                   "| --- | ---: | ---: | --- | --- | ---: |"]
@@ -158,6 +180,7 @@ def markdown(summary: dict, meta: dict) -> str:
 
 
 def pairs(args) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still stops the servers (finally)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = servers(args)
@@ -165,7 +188,7 @@ def pairs(args) -> int:
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name, argv, port in specs:
-        log = open(logs / (name.replace(" ", "_") + ".log"), "w")
+        log = open(logs / (name.replace(" ", "_") + ".log"), "w")  # noqa: SIM115 (the server's lifetime)
         print(f"start {name}: {' '.join(argv)}", flush=True)
         procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), port, argv)
     names = [s[0] for s in specs]
@@ -188,6 +211,7 @@ def pairs(args) -> int:
                         rows.append(row)
                         print(f"  {w} r{i - args.warmup:>2} {n:<16} {row['tok_s']:7.1f} tok/s "
                               f"({row['completion_tokens']} tok, {row['wall_s']:.3f} s)", flush=True)
+                meta.setdefault("metrics", {})[w] = {n: spec_metrics(client, procs[n][1]) for n in names}
     finally:
         for name, (proc, _, _) in procs.items():
             if proc.poll() is None:
