@@ -414,7 +414,8 @@ def replay(args):
     command = "python3 benchmarks/bench_sample_efficiency.py " + " ".join(
         [f"--grid {p.relative_to(PROJECT_ROOT) if p.is_relative_to(PROJECT_ROOT) else p}" for p in paths] +
         ([f"--sampler-seeds {args.sampler_seeds}"] if args.sampler_seeds != SAMPLER_SEEDS else []))
-    dirty = git("status", "--porcelain", "--", "benchmarks/bench_sample_efficiency.py", "search_spaces", "autotune")
+    dirty = git("status", "--porcelain", "--", "benchmarks/bench_sample_efficiency.py", "search_spaces",
+                "autotune/space", "autotune/study/objectives.py")  # what the replay runs
     summary = {"target": TARGET, "sampler_seeds": args.sampler_seeds, "commit": git("rev-parse", "--short", "HEAD"),
                "code_changed_since_commit": bool(dirty), "date": time.strftime("%Y-%m-%d"), "command": command,
                "protocol": protocol, "grids": results, "skipped": errors}
