@@ -299,7 +299,7 @@ def place_seed(grid: Grid, seed: dict) -> tuple[tuple | None, str]:
 # -- replaying ---------------------------------------------------------------------------------------
 def stats(numbers: list[float]) -> dict:
     low, high = np.percentile(numbers, [5, 95])
-    return {"median": float(np.median(numbers)), "interval_90": [float(low), float(high)]}
+    return {"median": round(float(np.median(numbers)), 2), "interval_90": [round(float(low), 2), round(float(high), 2)]}
 
 
 def outcome(grid: Grid, runs: list[tuple[list[tuple], bool]]) -> dict:
