@@ -189,7 +189,7 @@ SERVER = """
 import http.server, os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a worker, like engines fork
 print("argv", sys.argv[1:], "worker-pid:", child.pid, flush=True)
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[2]))  # the behaviour under test: a server that loads for a while before it listens
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404); self.end_headers()

@@ -59,7 +59,7 @@ def test_mixed_tp_sizes_on_8_gpus_never_overlap_or_oversubscribe():
                     errors.append((n, gpus, set(busy)))
                 busy.update(gpus)
                 seen.append(gpus)
-            time.sleep(0.002)
+            time.sleep(0.002)  # holds its GPUs a moment, as a trial does, so that the runners overlap
             with lock:
                 busy.difference_update(gpus)
             pool.release(gpus)

@@ -34,7 +34,7 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
     def do_POST(self):
-        time.sleep(60)
+        time.sleep(60)  # the behaviour under test: a completion that never comes within the quick timeout
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
