@@ -34,22 +34,37 @@ sys.path.insert(0, str(ROOT))
 from autotune.bench import load_workload
 
 PLAIN = "llama plain"
-PAIRS = [("llama ngram8", PLAIN), ("embedded plain", PLAIN), ("embedded ngram8", PLAIN),
-         ("embedded ngram8", "embedded plain"), ("embedded ngram8", "llama ngram8")]
+NGRAM8 = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]  # issue 15's flags
+# In build 11434 ngram-simple drafts up to --spec-ngram-simple-size-m tokens (default 48; common/speculative.cpp
+# constructs it with n_max = size_m): --spec-draft-n-max bounds only the draft-model types. "llama ngram-m8" is
+# the draft length 8 that "llama ngram8" asks for.
+SERVERS = {PLAIN: ("llama", []),
+           "llama ngram8": ("llama", NGRAM8),
+           "llama ngram-m8": ("llama", [*NGRAM8, "--spec-ngram-simple-size-m", "8"]),
+           "embedded plain": ("embedded", []),
+           "embedded ngram8": ("embedded", ["--drafter", "ngram", "--draft-length", "8"])}
+DEFAULT_SERVERS = "llama plain,llama ngram8,embedded plain,embedded ngram8"
+EXTRA_PAIRS = [("embedded ngram8", "embedded plain"), ("embedded ngram8", "llama ngram8"),
+               ("embedded ngram8", "llama ngram-m8"), ("llama ngram-m8", "llama ngram8")]
+
+
+def pairs_of(names: list[str]) -> list[tuple[str, str]]:
+    """Every server against llama plain, then the drafting sides against each other, where both ran."""
+    out = [(n, PLAIN) for n in names if n != PLAIN and PLAIN in names]
+    return out + [(a, b) for a, b in EXTRA_PAIRS if a in names and b in names]
 
 
 def servers(args) -> list[tuple[str, list[str], int]]:
     host = ["--host", "127.0.0.1"]
-    llama = [args.llama_server, "-m", args.gguf, *host, "--metrics"]  # /metrics: its draft counters
-    embedded = [sys.executable, "-m", "autotune.cli", "serve", "--model", args.gguf, *host, "--device", args.device,
-                *args.embedded_args.split()]
-    spec = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
-    base = args.base_port
-    return [(PLAIN, [*llama, "--port", str(base)], base),
-            ("llama ngram8", [*llama, "--port", str(base + 1), *spec], base + 1),
-            ("embedded plain", [*embedded, "--port", str(base + 2)], base + 2),
-            ("embedded ngram8", [*embedded, "--port", str(base + 3), "--drafter", "ngram", "--draft-length", "8"],
-             base + 3)]
+    base = {"llama": [args.llama_server, "-m", args.gguf, *host, "--metrics"],  # /metrics: its draft counters
+            "embedded": [sys.executable, "-m", "autotune.cli", "serve", "--model", args.gguf, *host,
+                         "--device", args.device, *args.embedded_args.split()]}
+    out = []
+    for i, name in enumerate(args.servers.split(",")):
+        kind, extra = SERVERS[name]
+        port = args.base_port + i
+        out.append((name, [*base[kind], "--port", str(port), *extra], port))
+    return out
 
 
 def wait_healthy(client: httpx.Client, procs: dict, timeout: float) -> dict[str, float]:
@@ -142,7 +157,7 @@ def summarise(rows: list[dict], names: list[str], workloads: list[str]) -> dict:
                        "draft_accept_rate": accepted / drafted if drafted else None,
                        "tokens": sorted({r["completion_tokens"] for r in by[n].values()})}
         ratios = {}
-        for a, b in PAIRS:
+        for a, b in pairs_of(names):
             common = sorted(set(by[a]) & set(by[b]))
             rs = [by[a][i]["tok_s"] / by[b][i]["tok_s"] for i in common]
             same = sum(by[a][i]["text_sha"] == by[b][i]["text_sha"] for i in common)
@@ -255,6 +270,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--workloads", default="code,chat")
+    p.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma-separated, of: {', '.join(SERVERS)}")
     p.add_argument("--device", default="cuda")
     p.add_argument("--embedded-args", default="--dtype bfloat16 --compile inductor --cuda-graph-batch-sizes 1")
     p.add_argument("--base-port", type=int, default=8101)
