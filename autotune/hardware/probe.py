@@ -1,6 +1,7 @@
 """`probe()`: what this machine (or a planned one) is, as a `Hardware` with the evidence for every fact."""
 
 import json
+import re
 from pathlib import Path
 
 from autotune.hardware.classify import cpu_facts, gpu_facts, match_profile, nvml_topology
@@ -98,11 +99,28 @@ def probe_from_evidence(
         topology = nvml_topology(nvml_devices, evidence.get("nvml_common_ancestor") or [])
     cuda = evidence.get("cuda_driver_version")  # NVML's 13000 means 13.0
     cuda = f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else smi_header.get("CUDA Version")
+    versions = _versions(evidence)
+    if isinstance(evidence.get("llama_server"), dict):
+        versions["llamacpp"], note = llama_server_facts(evidence["llama_server"])
+        notes.append(note)
     return Hardware(gpus=gpus, topology=topology if len(gpus) > 1 else None,
                     driver_version=_text(evidence.get("driver")) or smi_header.get("Driver Version"),
                     cuda_driver_version=cuda, nvml_version=_text(evidence.get("nvml_version")),
-                    versions=_versions(evidence), cpu=cpu, profile=profile, source=source,
+                    versions=versions, cpu=cpu, profile=profile, source=source,
                     warnings=warnings, notes=notes)
+
+
+def llama_server_facts(server: dict) -> tuple[str | None, str]:
+    """(build number, one line: version, path, backends, devices) from gather_llama_server's texts. The CPU
+    backend is always there; --list-devices names the others' devices ("CUDA0: NVIDIA H200 (143166 MiB, ...)")."""
+    version = re.search(r"version: (\S+) \(build (\d+)", _text(server.get("version")) or "")
+    devices = re.findall(r"^\s+(\w+?)\d*: (.+?) \((\d+) MiB", _text(server.get("devices")) or "", re.MULTILINE)
+    backends = ["CPU", *dict.fromkeys(backend for backend, _, _ in devices)]
+    listed = ", ".join(f"{name} {round(int(mib) / 1024, 1)} GiB" for _, name, mib in devices) or "none beside the CPU"
+    if version is None:
+        return None, f"llama-server {server.get('path')}: `--version` said no build number ({server.get('version')})"
+    return version.group(2), (f"llama-server {version.group(1)} (build {version.group(2)}) at {server.get('path')}: "
+                              f"backends {', '.join(backends)}; devices: {listed}")
 
 
 def _nth(items: list[dict], i: int) -> dict:
