@@ -198,9 +198,6 @@ def test_ngram_drafts_ignore_spec_draft_n_max_so_dedupe_drops_it(copying):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="bench/client.timings_usage counts the prefill's token as a verify step "
-                   "(steps = predicted_n - draft_n_accepted); the embedded engine's spec_verify_steps exclude the "
-                   "prefill, so llama.cpp's accept length is biased low by one step per request")
 def test_timings_verify_steps_exclude_the_prefill_token(copying):
     timings, counted = copying
     assert timings_usage(timings)["spec_verify_steps"] == counted["steps"]
@@ -292,9 +289,7 @@ def space_file(tmp_path, name, change):
     (["--set", "no_such_option=1"], "unknown parameter 'no_such_option' for llamacpp"),
     (["--set", "cache_type_v=q9_9"], "cache_type_v: 'q9_9' is not one of"),
     (["--engine-binary", "/nonexistent"], "--engine-binary /nonexistent: not a llama-server"),
-    pytest.param(["--space", "unknown-option"], "no_such_option", marks=pytest.mark.xfail(
-        strict=True, reason="plan.build does not check a --space file's names against the engine's schema: the run "
-                            "opens the study and records a failed trial before config_args refuses the name")),
+    (["--space", "unknown-option"], "no_such_option"),
 ])
 def test_bad_input_is_one_line_exit_2_before_any_launch(kept, tmp_path, args, message):
     if args == ["--space", "unknown-option"]:

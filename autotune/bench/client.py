@@ -99,12 +99,15 @@ def failed(rec: RequestRecord, kind: str, message: str) -> RequestRecord:
 
 
 def timings_usage(timings: dict) -> dict:
-    """llama-server's `timings` as speculative counters: every verify step yields its accepted drafts
-    plus one token of the target's, so steps = tokens predicted - drafts accepted."""
+    """llama-server's `timings` as speculative counters: the prefill yields the first token, then every
+    verify step its accepted drafts plus one of the target's, so steps = tokens predicted - 1 - accepted."""
     drafted, accepted, predicted = (timings.get(k) for k in ("draft_n", "draft_n_accepted", "predicted_n"))
     if drafted is None or accepted is None or not predicted:
         return {}
-    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_verify_steps": predicted - accepted}
+    steps = predicted - 1 - accepted
+    if steps < 1:  # drafts accepted past max_tokens are counted but not delivered: no step count to trust
+        return {}
+    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted, "spec_verify_steps": steps}
 
 
 def read_chunk(rec: RequestRecord, chunk: dict, t: float):

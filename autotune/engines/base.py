@@ -260,6 +260,10 @@ class EngineAdapter:
     def effective(self, config: dict) -> dict:
         return dict(config)
 
+    def config_keys(self) -> set[str]:
+        """Every key a config of this engine may carry: its flag schema's option names."""
+        return {o["dest"] for o in load_schema(self.name, self.version)["options"]}
+
     def explicit(self, config: dict) -> dict:
         """The settings that differ from the engine's own defaults (unset, "none" and defaults dropped)."""
         defaults = {o["dest"]: o["default"] for o in load_schema(self.name, self.version)["options"]}

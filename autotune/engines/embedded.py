@@ -134,6 +134,9 @@ class EmbeddedAdapter(EngineAdapter):
         """Local files only: the bundled GGUF for its preset (None = the engine's default), else as given."""
         return None if preset == BUNDLED_PRESET else given
 
+    def config_keys(self):
+        return set(DEFAULTS)
+
     def validate_flags(self, argv):
         return schema_errors(self.engine_args(argv), SCHEMA)
 

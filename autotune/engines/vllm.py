@@ -48,6 +48,9 @@ class VLLMAdapter(EngineAdapter):
                 spec[key] = config[key]
         return spec
 
+    def config_keys(self):
+        return super().config_keys() | set(SPEC_KEYS)  # the --speculative-config JSON's keys, flattened
+
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         flags = {k: v for k, v in config.items() if k not in SPEC_KEYS}
         if flags.get("quantization") == "w8a16_fp8":

@@ -110,6 +110,10 @@ def build(opts: RunOptions) -> Plan:
             space = parse_space(data, source=opts.space)
         else:
             overrides.update(data)
+    unknown = sorted(set(space.params) - adapter.config_keys())
+    if unknown:
+        raise ValueError(f"{space.source}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} "
+                         f"of {adapter.name} {adapter.version}".rstrip())
     overrides.update(parse_set_options(opts.sets))
     space = space.narrowed(overrides)
     hardware = probe(opts.gpu)
