@@ -1,7 +1,7 @@
 """Sample efficiency of the tuner on real, recorded grids: trials and seconds to 97 % of a grid's best.
 
     python3 benchmarks/bench_sample_efficiency.py [--grid CSV ...] [--sampler-seeds 50] [--out DIR]
-    python3 benchmarks/bench_sample_efficiency.py --measure [--workload code] [--repeats 3] [--csv CSV]
+    python3 benchmarks/bench_sample_efficiency.py --measure [--engine embedded|llamacpp] [--workload code] [--repeats 3] [--csv CSV]
 
 Replay (no engine runs): each strategy proposes configurations of a grid and gets the grid's recorded
 output tok/s as its measurement (a cell measured several times: the median). Cost until a measured cell
@@ -26,12 +26,19 @@ those seeds enqueued first.
 A grid is a CSV as --measure writes it (benchmarks/data/grid_<engine>_<workload>.csv): '#' comment lines
 (the first says how it was measured, including "other settings {...}": the values every cell shares), then
 one row per measurement: the varied parameters, then output_tok_s, e2e_ms_p95, accept_length, launch_s,
-bench_s, error (and repeat, under the protocol below). The engine is the <engine> of the file name.
+bench_s, error (and repeat and time, under the protocol below). The engine is the <engine> of the file name.
 
-Measure (live, slow; resumes): every cell of GRID against a real `autotune serve` on --workload, in
---repeats interleaved rounds (each round measures every cell once, its launch groups in a shuffled order,
-one fresh launch per group and round; draft_length changed live), appended to --csv with the engine's
-commit in the header: the protocol of issue 13 point 4 (at least three measurements per cell, interleaved).
+Measure (live, slow; resumes): every cell of GRIDS[--engine] against a real server of that engine on
+--workload, started with autotune.engines.launcher.launch and benchmarked with
+autotune.bench.runner.measure_server (the calls a trial makes), in --repeats interleaved rounds: each round
+measures every cell once, its launch groups in a shuffled order, one fresh launch per group and round (the
+embedded engine's draft_length is changed live; none of llama-server's settings is, so there every cell is
+a launch). launch_s is the launch until healthy plus one warm-up request on a prompt the benchmark does not
+send; bench_s the cell's runtime change and benchmark. Rows are appended to --csv (default
+benchmarks/data/grid_<engine>_<workload>_interleaved.csv) with a time stamp, under a header that records
+the command, start time, machine and the engine commit (with any uncommitted changes under autotune/):
+the protocol of issue 13 point 4 (at least three measurements per cell, interleaved). The replay's default
+is every grid with a repeat column; the older single-measurement grid_embedded_code.csv is superseded.
 """
 from __future__ import annotations
 
@@ -58,21 +65,13 @@ from autotune.space.space import SPACES_DIR
 DATA = PROJECT_ROOT / "benchmarks" / "data"
 OUT = PROJECT_ROOT / "benchmarks" / "results" / "sample-efficiency"
 TARGET, SAMPLER_SEEDS, MIN_REPEATS, MIN_GRIDS = 0.97, 50, 3, 3
-MEASURES = ("repeat", "output_tok_s", "e2e_ms_p95", "accept_length", "launch_s", "bench_s", "error")
+MEASURES = ("repeat", "output_tok_s", "e2e_ms_p95", "accept_length", "launch_s", "bench_s", "error", "time")
 HEADLINE = ("TPE, no seeds", "random", "one-at-a-time", "full grid")
 SEEDED = "TPE, frozen seeds first"
 # What a grid's file does not say about itself (engine state it was measured at), for the README.
 KNOWN = {"grid_embedded_code.csv": "recorded 2026-11-29 by the earlier --measure (one measurement per cell, not "
                                    "interleaved), before the engine's gguf kernel and its W @ x.T change: the engine "
                                    "it measured is not today's, and its commit was not recorded"}
-
-# What --measure runs (the embedded engine, bundled SmolLM2-135M, on a 2-core CPU machine).
-GRID = {"drafter": ["none", "ngram", "early_exit"], "draft_length": [2, 4, 8], "dtype": ["float32", "bfloat16"],
-        "threads": [1, 2], "verify_slots": [4]}  # 28 cells
-LAUNCH = ("drafter", "dtype", "threads", "verify_slots")  # one server per combination; draft_length is live
-FIXED = {"draft_policy": "fixed", "ngram_min": 1, "ngram_max": 4, "early_exit_layers": 8, "prefill_ubatch": 256,
-         "quantization": "none", "compile": "none", "cuda_graph_batch_sizes": []}
-LOAD = {"concurrency": 4, "num_requests": 4, "max_tokens": 32, "warmup": 1}
 
 
 def git(*args: str) -> str:
@@ -90,6 +89,7 @@ class Cell:
     bench_s: float
     launch_s: float
     measurements: int
+    samples: dict = field(default_factory=dict)  # round (repeat) -> output tok/s, where the grid has rounds
 
 
 @dataclass
@@ -106,6 +106,7 @@ class Grid:
     table: dict[tuple, Cell] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds_source: str = ""
+    rows: list[dict] = field(default_factory=list)
 
     def key(self, config: dict) -> tuple:
         complete = self.space.complete(config)  # pins, defaults; inactive parameters (draft_length off) dropped
@@ -167,7 +168,9 @@ def read_grid(path: Path) -> Grid:
     values = {}
     for axis in axes:
         p = full.params[axis]
-        seen = {_typed(p, r[axis]) for r in rows} - {None}
+        seen = {_typed(p, r[axis]) for r in rows}
+        if not (p.type == "categorical" and None in p.choices):  # None there is a value (llama.cpp's parallel auto)
+            seen -= {None}  # else: the parameter is inactive in that row (draft_length without a drafter)
         values[axis] = [c for c in p.choices if c in seen] if p.type == "categorical" else sorted(seen)
     space = full.narrowed(values)
     params = dict(space.params)
@@ -176,10 +179,10 @@ def read_grid(path: Path) -> Grid:
         if name in axes:
             default = full.params[name].default
             if default not in values[name]:
-                if name == "threads" and default is None:  # torch's default: one thread per physical core
+                if name == "threads" and default is None:  # torch's and llama.cpp's: one thread per physical core
                     default = max(values[name])
-                    notes.append(f"threads null (torch's default: one thread per physical core) is taken as threads="
-                                 f"{default}, the most the grid measured")
+                    notes.append(f"threads null (the engine's default: one thread per physical core) is taken as "
+                                 f"threads={default}, the most the grid measured")
                 else:
                     notes.append(f"{name}: the engine default {default!r} is not on the grid; {values[name][0]!r} "
                                  "stands in for it")
@@ -206,8 +209,11 @@ def read_grid(path: Path) -> Grid:
         return float(np.median(numbers)) if numbers else empty
 
     for k, rows_ in measured.items():
+        ok = [r for r in rows_ if r.get("output_tok_s") not in ("", None)]
         grid.table[k] = Cell(dict(zip(axes, k)), median(rows_, "output_tok_s"), median(rows_, "bench_s", 1.0),
-                             median(rows_, "launch_s"), len(rows_))
+                             median(rows_, "launch_s"), len(ok),
+                             {int(r["repeat"]): float(r["output_tok_s"]) for r in ok if r.get("repeat") not in ("", None)})
+    grid.rows = rows
     expected = {grid.key(dict(zip(axes, combo))) for combo in itertools.product(*(values[a] for a in axes))}
     missing = expected - set(grid.table)
     if missing:
@@ -310,6 +316,53 @@ def outcome(grid: Grid, runs: list[tuple[list[tuple], bool]]) -> dict:
             "runs": len(runs)}
 
 
+def noise(grid: Grid) -> dict | None:
+    """Between rounds: each cell's spread (max - min over its rounds, over its median), each round's level
+    (median over cells of the round's value over the cell's median), which cell is best in each round."""
+    cells = {k: c for k, c in grid.table.items() if len(c.samples) >= 2 and c.value > 0}
+    if not cells:
+        return None
+    spread = [(max(c.samples.values()) - min(c.samples.values())) / c.value for c in cells.values()]
+    rounds = sorted({r for c in cells.values() for r in c.samples})
+    level = {r: round(float(np.median([c.samples[r] / c.value for c in cells.values() if r in c.samples])), 3)
+             for r in rounds}
+    best_each = {}
+    for r in rounds:
+        have = {k: c.samples[r] for k, c in cells.items() if r in c.samples}
+        best_each[r] = max(have, key=have.get)
+    best = grid.best
+    return {"relative_spread": {"median": round(float(np.median(spread)), 3),
+                                "p90": round(float(np.percentile(spread, 90)), 3), "max": round(max(spread), 3)},
+            "round_level": level,
+            "best_cell_each_round": {r: grid.table[k].config for r, k in best_each.items()},
+            "rounds_where_the_median_best_is_best": sum(k == best for k in best_each.values()),
+            "rounds": len(rounds),
+            "cells_within_target": sum(c.value >= grid.goal for c in grid.table.values()),
+            "best_cell_rounds_within_target": sum(v >= grid.goal for v in grid.table[best].samples.values())}
+
+
+def measured(grid: Grid) -> dict | None:
+    """When the grid was measured and how long it took (from the rows' time column)."""
+    stamped = [r for r in grid.rows if r.get("time")]
+    if not stamped:
+        return None
+    parse = lambda t: time.mktime(time.strptime(t, "%Y-%m-%dT%H:%M:%S"))
+    first, last = min(stamped, key=lambda r: r["time"]), max(stamped, key=lambda r: r["time"])
+    lead = sum(float(first.get(c) or 0) for c in ("launch_s", "bench_s"))  # the first row is written after both
+    start = parse(first["time"]) - lead
+    return {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)), "finished": last["time"],
+            "wall_s": round(parse(last["time"]) - start), "rows": len(grid.rows),
+            "failed_rows": sum(1 for r in grid.rows if r.get("output_tok_s") in ("", None))}
+
+
+def engine_commit(header: list[str]) -> dict:
+    text = " ".join(header)
+    found = re.search(r"engine commit ([0-9a-f]{7,40})", text)
+    dirty = re.search(r"with uncommitted changes to (.*?), on a", text)
+    return {"commit": found.group(1) if found else None, "uncommitted": dirty.group(1).split(", ") if dirty else []}
+
+
+
 def replay_grid(grid: Grid, sampler_seeds: int) -> dict:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     seeds = range(sampler_seeds)
@@ -350,6 +403,7 @@ def replay_grid(grid: Grid, sampler_seeds: int) -> dict:
             "best": {"cell": best.config, "tok_s": best.value}, "target_tok_s": grid.goal,
             "engine_defaults": {"cell": defaults.config, "tok_s": defaults.value},
             "seconds_source": grid.seconds_source, "notes": grid.notes,
+            "engine_commit": engine_commit(grid.header), "measured": measured(grid), "noise": noise(grid),
             "strategies": strategies, "seeded": seeded}
 
 
@@ -394,7 +448,10 @@ def table_lines(name: str, result: dict) -> list[str]:
 
 
 def replay(args):
-    paths = [Path(g) for g in args.grid] or sorted(DATA.glob("grid_*.csv"))
+    every = sorted(DATA.glob("grid_*.csv"))
+    paths = [Path(g) for g in args.grid] or [p for p in every if _has_repeat_column(p)]
+    superseded = {p.name: KNOWN.get(p.name, "no repeat column: recorded before the protocol")
+                  for p in every if p not in paths and not _has_repeat_column(p)}
     results, errors = {}, {}
     for path in paths:
         try:
@@ -418,7 +475,8 @@ def replay(args):
                 "autotune/space", "autotune/study/objectives.py")  # what the replay runs
     summary = {"target": TARGET, "sampler_seeds": args.sampler_seeds, "commit": git("rev-parse", "--short", "HEAD"),
                "code_changed_since_commit": bool(dirty), "date": time.strftime("%Y-%m-%d"), "command": command,
-               "protocol": protocol, "grids": results, "skipped": errors}
+               "protocol": protocol, "grids": results, "skipped": errors,
+               "superseded_not_replayed": superseded}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -428,19 +486,61 @@ def replay(args):
     print(f"wrote {out / 'summary.json'} and {out / 'README.md'}")
 
 
+def _interval(s: dict, digits: int) -> str:
+    lo, hi = s["interval_90"]
+    return f"{s['median']:.{digits}f} [{lo:.{digits}f}..{hi:.{digits}f}]"
+
+
+def _minutes(seconds) -> str:
+    return f"{seconds / 60:.0f} min" if seconds is not None else "?"
+
+
 def readme(summary: dict, tables: list[str]) -> str:
     grids = summary["grids"]
     described = []
     for r in grids.values():
         lo, hi = r["measurements_per_cell"]
+        commit, when = r["engine_commit"], r["measured"]
         described.append(
-            f"- `{r['csv']}` ({r['engine']} engine; added in commit {r['added_in_commit'] or '?'}): "
-            f"{lo if lo == hi else f'{lo}..{hi}'} measurement(s) per cell"
-            f"{'' if r['protocol_met'] else ' -- does NOT meet the protocol'}. Its header: \"{' '.join(r['header'])}\""
+            f"- `{r['csv']}` ({r['engine']} engine; {r['cells']} cells, "
+            f"{lo if lo == hi else f'{lo}..{hi}'} measurement(s) per cell; engine commit "
+            f"{commit['commit'] or 'not recorded'}"
+            + (f" with uncommitted changes to {', '.join(commit['uncommitted'])}"
+               if commit["uncommitted"] else "")
+            + (f"; measured {when['started']}..{when['finished']}, {_minutes(when['wall_s'])} of wall time"
+               + (f", {when['failed_rows']} failed row(s)" if when["failed_rows"] else "") if when else "")
+            + f"){'' if r['protocol_met'] else ' -- does NOT meet the protocol'}. Its header: \"{' '.join(r['header'])}\""
             + (f" Known: {KNOWN[Path(r['csv']).name]}." if Path(r["csv"]).name in KNOWN else "")
             + (" Replay notes: " + "; ".join(r["notes"]) + "." if r["notes"] else ""))
     protocol = summary["protocol"]
     status = "met" if protocol["met"] else "NOT met"
+    headline = ["| grid | strategy | trials to 97 %: median [90 %] | seconds to 97 %: median [90 %] | reached |",
+                "| --- | --- | --- | --- | --- |"]
+    for name, r in grids.items():
+        for label in HEADLINE:
+            st = r["strategies"][label]
+            headline.append(f"| {name} | {label} | {_interval(st['trials'], 1)} | {_interval(st['seconds'], 0)} | "
+                            f"{st['reached']}/{st['runs']} |")
+    seeds = ["| grid | seeds on the grid | seed hit rate | first hit | TPE, frozen seeds first: trials | seconds |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in grids.items():
+        sd, st = r["seeded"], r["seeded"][SEEDED]
+        rate = "-" if sd["hit_rate"] is None else f"{sd['hit_rate']:.0%}"
+        seeds.append(f"| {name} | {sd['placed']} of {sd['placed'] + sd['not_on_grid']} | {rate} | "
+                     f"{sd['first_hit_seed'] or '-'} | {_interval(st['trials'], 1)} | {_interval(st['seconds'], 0)} |")
+    noisy = [("| grid | relative spread per cell: median (p90, max) | each round's level | median-best cell best in | "
+              "its rounds within 97 % | cells within 97 % |"), "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in grids.items():
+        n = r["noise"]
+        if not n:
+            noisy.append(f"| {name} | one measurement per cell | - | - | - | - |")
+            continue
+        sp = n["relative_spread"]
+        noisy.append(f"| {name} | {sp['median']:.0%} ({sp['p90']:.0%}, {sp['max']:.0%}) | "
+                     + " / ".join(f"{v:.2f}" for v in n["round_level"].values())
+                     + f" | {n['rounds_where_the_median_best_is_best']} of {n['rounds']} rounds | "
+                       f"{n['best_cell_rounds_within_target']} of {n['rounds']} | {n['cells_within_target']} of {r['cells']} |")
+    superseded = summary.get("superseded_not_replayed") or {}
     return "\n".join([
         "# Sample efficiency: trials and seconds to 97 % of a recorded grid's best",
         "",
@@ -454,20 +554,50 @@ def readme(summary: dict, tables: list[str]) -> str:
         f"**The protocol of issue 13 point 4 is {status}.** It asks for {protocol['required']}. Grids used here:",
         "",
         *described,
+        *([""] + [f"Superseded, not replayed: `benchmarks/data/{k}` ({v}). The grids above are the protocol's."
+                  for k, v in superseded.items()] if superseded else []),
         "",
-        ("So these numbers are what the recorded grid(s) say, with a cell's few (here: single) measurements taken "
-         "as its truth: a noisy cell can be the 'best', or miss the target, by chance. Open: re-measure the code "
-         "grid on today's engine, record the embedded chat grid and a llama.cpp code grid, all with `--measure "
-         "--repeats 3` (interleaved rounds, seconds and engine commit recorded), and re-run this replay on them."
-         if not protocol["met"] else ""),
+        ("A cell's value is the median of its rounds. The machine is a shared 2-core CPU: every grid was measured "
+         "while tests and other benchmarks ran on it, so a round's level moves with that load (the noise table), "
+         "and interleaving the rounds spreads that load over all cells instead of over a few. "
+         "The seeds of the search spaces (`search_spaces/*.yaml`) were written from public documentation and "
+         "hardware facts and frozen before these grids were measured (their sources are comments in the YAML); "
+         "they are scored apart, never in the headline."),
         "",
-        ("The headline is the first table of each grid: TPE with nothing enqueued against random order, "
-        "one-at-a-time and the full grid. The seeds of the search space are scored apart (seed hit rate and "
-        "TPE with the seeds first); they were rewritten from public documentation and hardware facts and frozen "
-        "on 2026-12-01 (their sources are comments in the YAML), after this grid had been recorded but without "
-        "using it."),
+        "## Headline: TPE without seeds vs random vs one-at-a-time vs the full grid",
         "",
-        "## Results",
+        *headline,
+        "",
+        ("reached: sampler seeds whose run got to 97 % of the grid's best; a run that did not (one-at-a-time stuck "
+         "at a local best) is charged the whole grid. Seconds: recorded benchmark seconds per cell plus recorded "
+         "launch seconds (launch, health, one warm-up request) whenever a launch-time setting changes."),
+        "",
+        "## Seeds, reported apart",
+        "",
+        *seeds,
+        "",
+        "seed hit rate: the share of the seeds that land on the grid whose cell is already within 97 % of the best.",
+        "",
+        "## Noise between rounds",
+        "",
+        *noisy,
+        "",
+        ("relative spread: (largest - smallest of a cell's rounds) / its median. each round's level: the median over "
+         "cells of the round's value over the cell's median (the machine's load drifting between rounds). A spread "
+         "wider than the 3 % between the target and the best means the target is inside the noise: which cells "
+         "count as 'within 97 %' is itself uncertain, and the trial counts above inherit it."),
+        "",
+        "## Limits",
+        "",
+        ("- Each grid is a slice of its engine's space: the axes in its table heading below, every other setting "
+         "pinned (its header's 'other settings'). The replay's TPE searches that slice (the space narrowed to the "
+         "grid), not the whole space, so trials to the target on the whole space would be more."),
+        ("- One small load per grid (its header: concurrency, requests x tokens), one model, one machine: a "
+         "shared 2-core CPU whose load from other work changed during the measurement."),
+        ("- A grid's best is the best median of a few noisy rounds: when the spread between rounds is wider than "
+         "3 %, another cell may truly be the best, and 'within 97 %' is a noisy line."),
+        "",
+        "## Per grid",
         "",
         *tables,
         *(["Skipped: " + "; ".join(f"{k}: {v}" for k, v in summary["skipped"].items()), ""] if summary["skipped"] else []),
@@ -475,82 +605,158 @@ def readme(summary: dict, tables: list[str]) -> str:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def cells() -> list[dict]:
-    """Every cell of GRID, grouped by launch configuration."""
+@dataclass
+class GridSpec:
+    """What --measure runs for one engine: the varied parameters (in the space's declaration order), the
+    settings every cell shares (pinned over the engine defaults), and a line on the model it serves."""
+    axes: dict[str, list]
+    fixed: dict
+    model: str
+
+
+GRIDS = {
+    # 16 cells, 8 launches a round: drafter x quantization x threads, draft_length changed live. dtype stays
+    # float32 (the gguf kernel runs float32 only, so dtype x quantization is not a full product).
+    "embedded": GridSpec({"drafter": ["none", "ngram"], "draft_length": [2, 5, 10], "quantization": ["none", "gguf"],
+                          "threads": [1, 2]},
+                         {"draft_policy": "fixed", "ngram_min": 1, "ngram_max": 4, "early_exit_layers": 8,
+                          "verify_slots": 4, "prefill_ubatch": 256, "dtype": "float32", "compile": "none",
+                          "cuda_graph_batch_sizes": []},
+                         "bundled SmolLM2-135M-Instruct (safetensors; quantization gguf: its Q4_1 GGUF's blocks)"),
+    # 20 cells, every one a launch (no llama-server setting changes on a running server). parallel null is
+    # the server's auto: 4 slots, unified KV cache; threads null would be its default, one per physical core.
+    "llamacpp": GridSpec({"spec_type": ["none", "ngram-simple", "ngram-mod"], "spec_ngram_simple_size_n": [3, 6, 12],
+                          "parallel": [None, 1], "threads": [1, 2]},
+                         {},
+                         "bundled SmolLM2-135M-Instruct Q4_1 GGUF"),
+}
+LOAD = {"concurrency": 4, "num_requests": 4, "max_tokens": 32, "warmup": 1}
+
+
+def measure_cells(engine: str) -> list[dict]:
+    """Every cell of GRIDS[engine]: the product of its axes with parameters inactive in a cell (draft_length
+    without a drafter) left out, grouped by launch-time settings."""
+    space, spec = load_space(engine), GRIDS[engine]
     out = []
-    for launch in itertools.product(*(GRID[name] for name in LAUNCH)):
-        cell = dict(zip(LAUNCH, launch))
-        for k in (GRID["draft_length"] if cell["drafter"] != "none" else [None]):
-            out.append({**cell, "draft_length": k})
-    return out
+    for combo in itertools.product(*spec.axes.values()):
+        wanted, cell = dict(zip(spec.axes, combo)), {}
+        for p in space.params.values():  # declaration order: `when` names earlier parameters
+            if p.name in wanted and space.active(p, {**spec.fixed, **cell}):
+                cell[p.name] = wanted[p.name]
+        if cell not in out:
+            out.append(cell)
+    launch = launch_axes(engine)
+    return sorted(out, key=lambda c: [str(c.get(a)) for a in launch])  # stable within a group: axes order
 
 
-def cell_key(cell: dict) -> tuple:
-    return tuple(str(cell.get(k) if cell.get("drafter") != "none" or k != "draft_length" else None) for k in GRID)
+def launch_axes(engine: str) -> list[str]:
+    return [a for a in GRIDS[engine].axes if a not in load_space(engine).runtime_names()]
+
+
+def cell_key(engine: str, cell: dict) -> tuple:
+    return tuple("" if cell.get(a) is None else str(cell.get(a)) for a in GRIDS[engine].axes)
+
+
+def machine() -> str:
+    import os
+    import platform
+
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return (f"{os.cpu_count()}-core {model or platform.machine()} CPU, shared with other work (tests and other "
+            f"benchmarks ran on it at the same time; load average {os.getloadavg()[0]:.1f} at the start)")
 
 
 def measure(args):
-    from autotune.bench import load_workload, run_benchmark
+    from autotune.bench import load_workload
+    from autotune.bench.runner import measure_server
+    from autotune.bench.workloads import Workload
     from autotune.engines import get_adapter
     from autotune.engines.launcher import LaunchError, launch
 
-    path = Path(args.csv) if args.csv else DATA / f"grid_embedded_{args.workload}.csv"
-    adapter, workload = get_adapter("embedded"), load_workload(args.workload)
-    fields = [*GRID, *MEASURES]
+    engine, spec = args.engine, GRIDS[args.engine]
+    path = Path(args.csv) if args.csv else DATA / f"grid_{engine}_{args.workload}_interleaved.csv"
+    adapter, workload = get_adapter(engine), load_workload(args.workload)
+    warm = Workload(workload.name, workload.requests[-LOAD["warmup"]:])  # not the prompts measured (prompt caches)
+    space, launch_names = load_space(engine), launch_axes(engine)
+    fields = [*spec.axes, *MEASURES]
     done = set()
     if path.exists():
         with path.open() as f:
             rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
         if rows and "repeat" not in rows[0]:
             sys.exit(f"{path} predates the protocol (one measurement per cell, no repeat column): give --csv NEW.csv")
-        done = {(cell_key({k: (r[k] if r[k] != "" else None) for k in GRID}), int(r["repeat"])) for r in rows}
+        if rows and list(rows[0]) != fields:
+            sys.exit(f"{path}: columns {list(rows[0])} are not this grid's {fields}: give --csv NEW.csv")
+        done = {(tuple(r[a] for a in spec.axes), int(r["repeat"])) for r in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
-    commit = git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "autotune") else "")
+    commit = git("rev-parse", "HEAD")
+    dirty = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", "autotune").splitlines()]
+    pins = {name: spec.fixed.get(name, p.default) for name, p in space.params.items() if name not in spec.axes}
+    all_cells = measure_cells(engine)
+    groups = [list(g) for _, g in itertools.groupby(all_cells, key=lambda c: tuple(c.get(n) for n in launch_names))]
+    version = adapter.installed_version() if hasattr(adapter, "installed_version") else None
     new_file = not path.exists()
+    logs = Path("/tmp") / "autotune-grid-logs"
+    logs.mkdir(exist_ok=True)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         if new_file:
-            f.write(f"# `python3 benchmarks/bench_sample_efficiency.py --measure --workload {args.workload} --repeats "
-                    f"{args.repeats}`, started {time.strftime('%Y-%m-%d %H:%M %Z')} at engine commit {commit}: "
-                    f"embedded engine, bundled SmolLM2-135M, workload {args.workload}, concurrency "
-                    f"{LOAD['concurrency']}, {LOAD['num_requests']} requests x {LOAD['max_tokens']} tokens after "
-                    f"{LOAD['warmup']} warm-up, {args.repeats} interleaved rounds (every cell once per round, launch "
-                    f"groups shuffled, a fresh launch per group and round), one launch per ({', '.join(LAUNCH)}), "
-                    f"other settings {FIXED}\n")
+            f.write(f"# `python3 benchmarks/bench_sample_efficiency.py --measure --engine {engine} --workload "
+                    f"{args.workload} --repeats {args.repeats}`, started {time.strftime('%Y-%m-%d %H:%M %Z')} at "
+                    f"engine commit {commit}"
+                    f"{' with uncommitted changes to ' + ', '.join(dirty) if dirty else ''}, on a {machine()}: "
+                    f"{engine} engine{f' (build {version})' if version and engine != 'embedded' else ''}, "
+                    f"{spec.model}, workload {args.workload}, concurrency {LOAD['concurrency']}, "
+                    f"{LOAD['num_requests']} requests x {LOAD['max_tokens']} tokens per cell "
+                    f"(autotune.bench.runner.measure_server, as a trial measures), servers started by "
+                    f"autotune.engines.launcher.launch; {len(all_cells)} cells, {args.repeats} interleaved rounds "
+                    f"(every cell once per round, launch groups in a shuffled order, a fresh launch per group and "
+                    f"round), one launch per ({', '.join(launch_names)}); launch_s = the launch until healthy plus "
+                    f"{LOAD['warmup']} warm-up request (not measured) on another prompt; bench_s = the cell's "
+                    f"runtime change and benchmark; other settings {pins}\n")
             writer.writeheader()
-        groups = [list(g) for _, g in itertools.groupby(cells(), key=lambda c: tuple(c[n] for n in LAUNCH))]
         for rep in range(args.repeats):
             order = groups[:]
             random.Random(rep).shuffle(order)
             for group in order:
-                todo = [c for c in group if (cell_key(c), rep) not in done]
-                todo = todo[rep % len(todo):] + todo[:rep % len(todo)] if todo else []  # rotate draft lengths
+                todo = [c for c in group if (cell_key(engine, c), rep) not in done]
+                todo = todo[rep % len(todo):] + todo[:rep % len(todo)] if todo else []  # rotate runtime values
                 if not todo:
                     continue
-                config = {**FIXED, **{n: todo[0][n] for n in LAUNCH},
-                          **({"draft_length": todo[0]["draft_length"]} if todo[0]["drafter"] != "none" else {})}
+                config = space.complete({**spec.fixed, **todo[0]})
                 t0 = time.monotonic()
                 try:
-                    server = launch(adapter, config, log_path=Path("/tmp") / f"grid-{rep}-{cell_key(todo[0])}.log",
+                    server = launch(adapter, config, log_path=logs / f"{path.stem}-r{rep}-{'-'.join(cell_key(engine, todo[0]))}.log",
                                     timeout_s=300)
                 except LaunchError as e:
                     for cell in todo:
-                        writer.writerow({**cell, "repeat": rep, "error": e.kind})
+                        writer.writerow({**cell, "repeat": rep, "error": e.kind,
+                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                    f.flush()
+                    print(f"launch failed ({e.kind}): {e}", flush=True)
                     continue
-                launch_s = time.monotonic() - t0
                 try:
+                    measure_server(server, warm, concurrency=1, num_requests=LOAD["warmup"],
+                                   max_tokens=LOAD["max_tokens"], seed=0)
+                    launch_s = time.monotonic() - t0
                     for cell in todo:
-                        if cell["draft_length"] is not None:
-                            adapter.apply_runtime(server.base_url, {"draft_length": cell["draft_length"]})
                         t0 = time.monotonic()
-                        r = run_benchmark(server.base_url, workload, concurrency=LOAD["concurrency"],
-                                          warmup=LOAD["warmup"], num_requests=LOAD["num_requests"],
-                                          max_tokens=LOAD["max_tokens"], progress=False)
-                        s = r.summary
+                        runtime = {k: v for k, v in space.complete({**spec.fixed, **cell}).items()
+                                   if k in space.runtime_names()}
+                        if runtime and cell is not todo[0]:
+                            adapter.apply_runtime(server.base_url, runtime)
+                        s, _ = measure_server(server, workload, concurrency=LOAD["concurrency"],
+                                              num_requests=LOAD["num_requests"], max_tokens=LOAD["max_tokens"], seed=0)
                         row = {**cell, "repeat": rep, "output_tok_s": round(s["output_tok_s"], 3),
-                               "e2e_ms_p95": round(s["e2e_ms_p95"], 1), "accept_length": round(s.get("accept_length") or 0, 3),
+                               "e2e_ms_p95": round(s["e2e_ms_p95"], 1),
+                               "accept_length": round(s.get("accept_length") or 0, 3),
                                "launch_s": round(launch_s, 1), "bench_s": round(time.monotonic() - t0, 1),
-                               "error": s.get("failed") or ""}
+                               "error": s.get("failed") or "", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
                         writer.writerow(row)
                         f.flush()
                         print(row, flush=True)
@@ -561,12 +767,15 @@ def measure(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", action="append", default=[], metavar="CSV",
-                        help="a recorded grid (repeatable; default: every benchmarks/data/grid_*.csv)")
+                        help="a recorded grid (repeatable; default: every benchmarks/data/grid_*.csv recorded under "
+                             "the protocol, i.e. with a repeat column)")
     parser.add_argument("--sampler-seeds", type=int, default=SAMPLER_SEEDS)
     parser.add_argument("--out", default=str(OUT), help="where summary.json and README.md go")
-    parser.add_argument("--measure", action="store_true", help="measure GRID live (slow; resumes)")
+    parser.add_argument("--measure", action="store_true", help="measure GRIDS[--engine] live (slow; resumes)")
+    parser.add_argument("--engine", default="embedded", choices=sorted(GRIDS), help="--measure: the engine")
     parser.add_argument("--workload", default="code", help="--measure: the workload")
     parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help="--measure: interleaved rounds")
-    parser.add_argument("--csv", help="--measure: the grid file (default benchmarks/data/grid_embedded_<workload>.csv)")
+    parser.add_argument("--csv", help="--measure: the grid file (default "
+                                      "benchmarks/data/grid_<engine>_<workload>_interleaved.csv)")
     parsed = parser.parse_args()
     measure(parsed) if parsed.measure else replay(parsed)
