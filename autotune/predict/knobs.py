@@ -43,6 +43,7 @@ class Knobs:
     early_exit_layers: int | None
     cuda_context: bool = True  # the process holds a CUDA context (counted in the workspace)
     quantized_head: bool = False  # weight quantization also keeps an int8 copy of a tied embedding as the head
+    threads: int | None = None  # CPU threads the config asks for (None: one per core of this machine)
 
 
 class Engine(Protocol):
@@ -77,7 +78,7 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
                cuda_context: bool = True, quantized_head: bool = False) -> Knobs:
     """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
-    engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers."""
+    engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers, threads."""
     dtype = str(c.get("dtype", "bfloat16" if on_gpu else "float32"))
     quant = c.get("quantization")
     weight_bytes = WEIGHT_BYTES.get(str(quant).lower(), 1) if quant else WEIGHT_BYTES.get(dtype, 2)
@@ -87,4 +88,4 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                  verify_tokens if drafter else 1, cuda_graphs, graph_max_bs, mem_fraction, max_running,
                  max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
                  c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
-                 cuda_context, quantized_head)
+                 cuda_context, quantized_head, c.get("threads"))

@@ -107,7 +107,7 @@ def alpha_from_accept_length(length: float, k: Knobs) -> float:
 def _hardware(profile, k: Knobs) -> tuple[float, float, float, float]:
     """(bandwidth B/s, peak FLOP/s, link B/s one direction, link latency s) for this config."""
     if profile is None or not profile.is_gpu:
-        cores = os.cpu_count() or 1
+        cores = k.threads or os.cpu_count() or 1  # the threads asked for compute; the rest idle
         return CPU_BANDWIDTH_GBPS * 1e9, CPU_GFLOPS_PER_CORE * 1e9 * cores, 0.0, 0.0
     peaks = profile.peak_tflops
     native_fp8 = k.quantization == "fp8" and profile.fp8_mode == "native"
