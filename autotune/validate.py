@@ -225,7 +225,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
             rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
             rec["status"] = "demoted" if rec["reasons"] else "passed"
             results.append(rec)
-    winner, warning = _pick(results, metric, direction)
+    winner, warning = pick_winner(results, metric, direction)
     doc = {"study": ctx.name, "storage": ctx.storage, "engine": ctx.engine, "objective": ctx.objective,
            "metric": metric, "direction": direction, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "settings": {"top": top, "repeats": repeats, "slo": slo_text, "max_noise": max_noise,
@@ -250,7 +250,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     return doc
 
 
-def _pick(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
+def pick_winner(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
     """The best configuration that passed everything. Noise only demotes: when every survivor is
     noisy, the best of them still wins, with a warning (a launch.sh beats none; the spread is written)."""
     measured = [r for r in results if r.get("stats") and r["stats"][metric]["median"] is not None]

@@ -87,7 +87,7 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
             assert len(frame) == 2 and {"ttft_ms", "e2e_ms", "accept_length", "prompt_entropy"} <= set(frame.columns)
     winner, candidates = doc["winner"], {c["trial"]: c for c in doc["candidates"]}
     assert winner is not None, doc["demoted"]
-    # What _pick decides is tested on crafted records below; here, properties of this real decision:
+    # What pick_winner decides is tested on crafted records below; here, properties of this real decision:
     # the winner passed everything, or (with a warning) nothing did and noise is its only fault, and
     # nothing that passed is faster.
     chosen, median = candidates[winner["trial"]], lambda c: c["stats"]["output_tok_s"]["median"]
@@ -115,16 +115,16 @@ def test_pick_takes_the_best_that_passed_and_lets_noise_alone_only_demote():
     noisy_and_wrong = candidate(5, 400.0, "noisy: output_tok_s MAD 9% of the median > 5%", "quality: greedy output differs")
     unmeasured = [candidate(6, None), {"trial": 7, "failure": "launch crash: exited", "reasons": ["flaky: launch crash"]}]
     # Faster configurations demoted for any reason, noise included, lose to the best that passed.
-    assert validate._pick([slo_miss, noisy, slower, steady, noisy_and_wrong, *unmeasured], "output_tok_s",
+    assert validate.pick_winner([slo_miss, noisy, slower, steady, noisy_and_wrong, *unmeasured], "output_tok_s",
                           "maximize") == (steady, None)
     # Nothing passed: the fastest whose only fault is noise wins, with a warning that says so; an SLO miss,
     # or noise together with another fault, never does.
-    best, warning = validate._pick([slo_miss, noisy_and_wrong, candidate(8, 100.0, noisy["reasons"][0]), noisy],
+    best, warning = validate.pick_winner([slo_miss, noisy_and_wrong, candidate(8, 100.0, noisy["reasons"][0]), noisy],
                                    "output_tok_s", "maximize")
     assert best is noisy and "trial 4" in warning and "noisy" in warning
-    assert validate._pick([slo_miss, noisy_and_wrong, *unmeasured], "output_tok_s", "maximize") == (None, None)
+    assert validate.pick_winner([slo_miss, noisy_and_wrong, *unmeasured], "output_tok_s", "maximize") == (None, None)
     # A metric to minimise (a latency objective): the smallest that passed.
-    assert validate._pick([slower, steady, candidate(9, 90.0, "flaky: repeat 1 had errors")], "output_tok_s",
+    assert validate.pick_winner([slower, steady, candidate(9, 90.0, "flaky: repeat 1 had errors")], "output_tok_s",
                           "minimize") == (slower, None)
 
 
