@@ -277,13 +277,14 @@ def children(pid: int) -> list[int]:
 def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(postgres, studies):
     study = create_study("shared", postgres)
     victim, survivor = (start_worker("shared", postgres, 5, studies) for _ in range(2))
-    # Kill the victim (SIGKILL: no chance to clean up) in its second trial, once it has finished one.
+    # Kill the victim (SIGKILL: no chance to clean up) in a later trial, once it has measured one (a
+    # duplicate or a rejected trial finishes without a measurement).
     # It is frozen (SIGSTOP) while its trials are read, so a trial seen running cannot finish before the kill.
     deadline, running = time.monotonic() + 180, []
     while not running and time.monotonic() < deadline and victim.poll() is None:
         victim.send_signal(signal.SIGSTOP)
         mine = [t for t in study.get_trials() if t.system_attrs.get(parallel.RUNNER, "").endswith(f" {victim.pid}")]
-        if any(t.state.is_finished() for t in mine):
+        if any(t.state.is_finished() and t.user_attrs.get("measured") for t in mine):
             running = [t for t in mine if t.state == TrialState.RUNNING]
         if not running:
             victim.send_signal(signal.SIGCONT)
