@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_PRESET = "smollm2-135m"  # its model preset in autotune/data/model_presets.yaml
 
 
 def bundled_gguf_path() -> Path:

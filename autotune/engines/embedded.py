@@ -13,7 +13,7 @@ import httpx
 
 from autotune import __version__
 from autotune.embedded import config as engine_config
-from autotune.embedded.bundled import bundled_gguf_path
+from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.engines.base import EngineAdapter, schema_errors
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
@@ -22,7 +22,6 @@ DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
 DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
                "draft_model")
 SERVE_ONLY = {"host": str, "port": int, "log_level": str}  # serve flags that are not EngineConfig fields
-BUNDLED_PRESET = "smollm2-135m"  # the model preset (autotune/data/model_presets.yaml) of the bundled GGUF
 
 
 def _schema() -> dict:

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from autotune.embedded.bundled import bundled_gguf_path
+from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.engines.base import EngineAdapter, config_args, load_schema
 from autotune.predict.knobs import Knobs, make_knobs, settings
 
@@ -102,6 +102,11 @@ class LlamaCppAdapter(EngineAdapter):
 
     def default_model(self):
         return str(bundled_gguf_path())  # llama.cpp reads the bundled GGUF as is
+
+    def preset_model(self, preset, hub_repo, given):
+        """A local GGUF: the bundled one for its preset; another preset is named for the user to replace
+        (llama-server's -m takes a GGUF file, not a Hugging Face checkpoint)."""
+        return self.default_model() if preset == BUNDLED_PRESET else f"{given}.gguf"
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config = dict(config)

@@ -53,6 +53,7 @@ class Engine(Protocol):
     memory_pool: str  # "static_fraction" | "utilization" | "slots": see autotune/predict/memory.py
     default_context_len: int  # tokens one sequence must hold when the caller says nothing
     modelled: tuple[str, ...]  # config keys the model reads: what rank_configs enumerates
+    default_port: int  # where its launch commands listen
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs: ...
 

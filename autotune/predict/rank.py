@@ -104,9 +104,11 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
 
 
 def launch_command(engine: Engine, config: dict, model: str | None, draft_model: str | None = None,
-                   host: str = "127.0.0.1", port: int = 30000) -> str:
-    """The engine adapter's launch command for `config` as one shell line (environment first, quoted)."""
-    argv, env = engine.command(config, model=model, draft_model=draft_model, host=host, port=port)
+                   host: str = "127.0.0.1", port: int | None = None) -> str:
+    """The engine adapter's launch command for `config` as one shell line (environment first, quoted), at
+    the engine's own port unless told otherwise."""
+    argv, env = engine.command(config, model=model, draft_model=draft_model, host=host,
+                               port=port or engine.default_port)
     argv = ["python3" if a == sys.executable else a for a in argv]
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(argv)])
 
