@@ -7,6 +7,7 @@
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,16 @@ from autotune.engines.launcher import free_port, release_port
 # Small context and few slots: a fast start and a small KV cache; ngram drafting so acceptance moves.
 SESSION_SERVER_FLAGS = {"drafter": "ngram", "draft_length": 4, "verify_slots": 4, "max_seq_len": 1024}
 STARTUP_TIMEOUT_S = 180
+
+
+def plain_bind(port: int) -> int:
+    """0 when a socket without SO_REUSEADDR (what most programs open) can bind the port, else the errno."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return 0
+        except OSError as e:
+            return e.errno
 
 
 def serve_argv(port: int, flags: dict) -> list[str]:

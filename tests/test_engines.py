@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from conftest import plain_bind
 
 from autotune.engines import get_adapter
 from autotune.engines.launcher import PORT_RETRIES, Launcher, LaunchError, free_port, release_port
@@ -273,16 +274,6 @@ class Plain(http.server.HTTPServer):
 print("binding", flush=True)
 Plain(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-def plain_bind(port: int) -> int:
-    """0 when a socket without SO_REUSEADDR (what most programs open) can bind the port, else the errno."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return 0
-        except OSError as e:
-            return e.errno
 
 
 def test_free_port_is_held_until_its_server_listens(tmp_path):

@@ -5,7 +5,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import time
 
 import optuna
 import pytest
+from conftest import plain_bind
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
@@ -146,16 +146,6 @@ def test_cuda_visible_devices_per_trial_and_ports():
     assert held[0] not in ports.taken and plain_bind(held[0]) == 0
     for port in held[1:]:
         ports.release(port)
-
-
-def plain_bind(port: int) -> int:
-    """0 when a socket without SO_REUSEADDR (what another program opens) can bind the port, else the errno."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return 0
-        except OSError as e:
-            return e.errno
 
 
 def test_parallel_count_and_cpu_thread_share():
