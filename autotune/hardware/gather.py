@@ -181,6 +181,7 @@ def gather_versions() -> dict:
 
 
 def llama_server_binary() -> str | None:
+    """--engine-binary (AUTOTUNE_LLAMA_SERVER), else the newest build in the cache, else PATH."""
     if os.environ.get(LLAMA_SERVER_ENV):
         return os.environ[LLAMA_SERVER_ENV]
     cache = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "llama.cpp"
