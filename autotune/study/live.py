@@ -6,7 +6,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from autotune.study import objectives
+from autotune.study import objectives, record
 
 STATUS_STYLE = {"ok": "green", "infeasible": "yellow", "pruned": "cyan", "rejected": "magenta",
                 "failed": "red", "duplicate": "dim", "interrupted": "red"}
@@ -78,7 +78,7 @@ class LiveView:
         a = trial.user_attrs
         m = a.get("metrics") or a.get("quick") or {}  # a pruned trial shows its quick measurement
         status = a.get("status", trial.state.name.lower())
-        if status == "ok" or (status == "duplicate" and a.get("original_status") == "ok"):
+        if record.is_ok(trial):
             values = list(trial.values or [])
             if values and objectives.is_better(values, self.best_value, self.objective):
                 self.best_number, self.best_value = trial.number, values
