@@ -266,7 +266,8 @@ def children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(postgres, studies):
     study = create_study("shared", postgres)
-    victim, survivor = (start_worker("shared", postgres, 5, studies) for _ in range(2))
+    # 8 trials: room for the victim to measure one and be killed in the next, whatever the survivor takes
+    victim, survivor = (start_worker("shared", postgres, 8, studies) for _ in range(2))
     # Kill the victim (SIGKILL: no chance to clean up) in a later trial, once it has measured one (a
     # duplicate or a rejected trial finishes without a measurement).
     # It is frozen (SIGSTOP) while its trials are read, so a trial seen running cannot finish before the kill.
@@ -288,7 +289,7 @@ def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(pos
     out = wait(survivor, 240)
     assert "worker joined study shared" in out
 
-    trials = check_accounted(study, 5)
+    trials = check_accounted(study, 8)
     runners = {t.system_attrs[parallel.RUNNER].rsplit(" ", 1)[1] for t in trials if t.user_attrs.get("measured")}
     assert {str(victim.pid), str(survivor.pid)} <= runners, "both workers measured trials"
     dead = trials[running[0].number]
