@@ -1,0 +1,228 @@
+"""Does the tuner find what the GPU can do? A reference sweep against `autotune run` (issue 16, point 6).
+
+    python3 benchmarks/bench_gpu_tuner.py sweep   --out DIR [--concurrency 1 4 8]
+    python3 benchmarks/bench_gpu_tuner.py tuner   --out DIR --concurrency 4 [--trials 8 --budget 3m]
+    python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--rounds 3]
+    python3 benchmarks/bench_gpu_tuner.py summarize --out DIR        # -> DIR/summary.json
+
+sweep: the space's main axes on the embedded engine (bf16): drafter none / n-gram x draft length x
+graphs+compile off / on (inductor, CUDA graphs for 1, 2, 4, 8) x verify slots 4 / 8. One launch per
+(drafter, graphs/compile, slots): the draft length is a runtime knob, changed on the running server as the
+tuner itself does. Each launch is warmed up (a burst at the highest concurrency) and then measured at every
+concurrency; `sweep_wall_s` per concurrency is what a sweep at that concurrency alone costs: every launch
+and warm-up plus that concurrency's measurements.
+tuner: `autotune run --gpu auto` with its default space and seeds at one concurrency; its wall time includes
+validation, export and report (what a user waits for).
+confirm: the sweep's best and the tuner's validated winner per concurrency, relaunched side by side and
+measured in alternation (`--rounds` each): the ratio comes from this run, not from the runs that chose them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autotune.bench import load_workload  # noqa: E402
+from autotune.bench.runner import measure_server, run_benchmark  # noqa: E402
+from autotune.engines import get_adapter  # noqa: E402
+from autotune.engines.launcher import launch  # noqa: E402
+
+FAST = {"compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4, 8]}
+SLOW = {"compile": "none", "cuda_graph_batch_sizes": []}
+DRAFT_LENGTHS = (2, 4, 8, 12)
+WORKLOAD = "code"
+
+
+def launches():
+    for fast_name, fast in (("eager", SLOW), ("graphs+inductor", FAST)):
+        for slots in (4, 8):
+            base = {"dtype": "bfloat16", "verify_slots": slots, **fast}
+            yield f"plain {fast_name} slots{slots}", {**base, "drafter": "none"}, [None]
+            yield f"ngram {fast_name} slots{slots}", {**base, "drafter": "ngram"}, list(DRAFT_LENGTHS)
+
+
+def requests_at(concurrency: int, per_stream: int) -> int:
+    return max(4, per_stream * concurrency)
+
+
+def sweep(args):
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    adapter, workload = get_adapter("embedded"), load_workload(WORKLOAD, args.seed)
+    cells, launched = [], []
+    settings = {"workload": WORKLOAD, "max_tokens": args.max_tokens, "per_stream": args.per_stream, "seed": args.seed}
+    for name, config, lengths in launches():
+        if args.only and not re.search(args.only, name):
+            continue
+        t0 = time.monotonic()
+        try:
+            server = launch(adapter, config, log_path=out / "logs" / f"{name.replace(' ', '_')}.log",
+                            timeout_s=args.launch_timeout)
+        except Exception as e:  # a launch that fails is a result of the sweep
+            launched.append({"name": name, "config": config, "error": str(e).splitlines()[0]})
+            print(f"{name}: launch failed: {e}", flush=True)
+            continue
+        try:
+            launch_s = time.monotonic() - t0
+            t1 = time.monotonic()
+            top = max(args.concurrency)
+            if config["drafter"] != "none":
+                adapter.apply_runtime(server.base_url, {"draft_length": max(lengths)})
+            run_benchmark(server.base_url, workload, concurrency=top, num_requests=2 * top,
+                          max_tokens=args.max_tokens, progress=False, request_timeout=args.request_timeout)
+            warmup_s = time.monotonic() - t1
+            launched.append({"name": name, "config": config, "launch_s": round(launch_s, 2),
+                             "warmup_s": round(warmup_s, 2)})
+            for k in lengths:
+                if k is not None:
+                    adapter.apply_runtime(server.base_url, {"draft_length": k})
+                for c in args.concurrency:
+                    summary, _ = measure_server(server, workload, concurrency=c,
+                                                num_requests=requests_at(c, args.per_stream),
+                                                max_tokens=args.max_tokens, seed=args.seed,
+                                                request_timeout=args.request_timeout)
+                    cell = {"launch": name, "config": {**config, **({"draft_length": k} if k else {})},
+                            "concurrency": c, "output_tok_s": summary["output_tok_s"],
+                            "failed": summary["failed"], "measure_s": summary["duration_s"]}
+                    cells.append(cell)
+                    print(f"{name} k={k} c={c}: {summary['output_tok_s']:.1f} tok/s "
+                          f"({summary['failed']} failed, {summary['duration_s']:.1f} s)", flush=True)
+        finally:
+            server.stop()
+        (out / "sweep.json").write_text(json.dumps({"settings": settings, "launches": launched, "cells": cells}, indent=1) + "\n")
+
+
+def tuner(args):
+    out = Path(args.out)
+    c = args.concurrency[0]
+    name = f"tuner-c{c}"
+    argv = [sys.executable, "-m", "autotune.cli", "run", "--gpu", "auto", "--workload", WORKLOAD,
+            "--concurrency", str(c), "--num-requests", str(requests_at(c, args.per_stream)),
+            "--max-tokens", str(args.max_tokens), "--study", name, "--seed", str(args.seed)]
+    argv += [*(["--trials", str(args.trials)] if args.trials else []), *(["--budget", args.budget] if args.budget else [])]
+    env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(out / "studies")}
+    t0 = time.monotonic()
+    rc = subprocess.run(argv, env=env).returncode
+    wall = time.monotonic() - t0
+    directory = out / "studies" / name
+    validation = json.loads((directory / "best" / "validation.json").read_text()) if rc == 0 else {}
+    winner = validation.get("winner") or {}
+    record = {"concurrency": c, "argv": argv[1:], "rc": rc, "wall_s": round(wall, 1),
+              "trials": _trial_count(directory), "winner_config": winner.get("config"),
+              "tuner_validated_tok_s": ((winner.get("stats") or {}).get("output_tok_s") or {}).get("median")}
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record, indent=1))
+
+
+def _trial_count(directory: Path) -> int | None:
+    import optuna
+    try:
+        study = optuna.load_study(study_name=directory.name, storage=f"sqlite:///{directory / 'study.db'}")
+    except Exception:
+        return None
+    return sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+
+
+def best_cells(out: Path) -> dict[int, dict]:
+    cells = json.loads((out / "sweep.json").read_text())["cells"]
+    best = {}
+    for cell in cells:
+        c = cell["concurrency"]
+        if not cell["failed"] and (c not in best or cell["output_tok_s"] > best[c]["output_tok_s"]):
+            best[c] = cell
+    return best
+
+
+def confirm(args):
+    """Relaunch the sweep's best and the tuner's winner per concurrency; alternate measurements."""
+    out = Path(args.out)
+    adapter, workload = get_adapter("embedded"), load_workload(WORKLOAD, args.seed + 1)  # other prompts order
+    rows = {}
+    for c, cell in sorted(best_cells(out).items()):
+        path = out / f"tuner-c{c}.json"
+        if not path.exists() or not json.loads(path.read_text()).get("winner_config"):
+            continue
+        sides = {"sweep_best": cell["config"], "tuner": json.loads(path.read_text())["winner_config"]}
+        servers = {}
+        try:
+            for side, config in sides.items():
+                launch_part = {k: v for k, v in config.items() if k not in adapter.runtime_params}
+                servers[side] = launch(adapter, launch_part, log_path=out / "logs" / f"confirm-c{c}-{side}.log",
+                                       timeout_s=args.launch_timeout)
+                adapter.apply_runtime(servers[side].base_url,
+                                      {k: v for k, v in config.items() if k in adapter.runtime_params})
+                run_benchmark(servers[side].base_url, workload, concurrency=c, num_requests=2 * c,
+                              max_tokens=args.max_tokens, progress=False)  # warm-up
+            values = {side: [] for side in sides}
+            for r in range(args.rounds):
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    summary, _ = measure_server(servers[side], workload, concurrency=c,
+                                                num_requests=requests_at(c, args.per_stream),
+                                                max_tokens=args.max_tokens, seed=args.seed + 1 + r)
+                    values[side].append(summary["output_tok_s"])
+        finally:
+            for s in servers.values():
+                s.stop()
+        rows[c] = {side: {"values": v, "median": statistics.median(v)} for side, v in values.items()}
+        rows[c]["ratio_tuner_over_sweep"] = rows[c]["tuner"]["median"] / rows[c]["sweep_best"]["median"]
+        print(f"c={c}: {json.dumps(rows[c])}", flush=True)
+        (out / "confirm.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def summarize(args):
+    out = Path(args.out)
+    doc = json.loads((out / "sweep.json").read_text())
+    launch_cost = sum(item.get("launch_s", 0) + item.get("warmup_s", 0) for item in doc["launches"])
+    confirmed = json.loads((out / "confirm.json").read_text()) if (out / "confirm.json").exists() else {}
+    rows = []
+    for c, cell in sorted(best_cells(out).items()):
+        measured = sum(x["measure_s"] for x in doc["cells"] if x["concurrency"] == c)
+        tuner_path = out / f"tuner-c{c}.json"
+        t = json.loads(tuner_path.read_text()) if tuner_path.exists() else {}
+        sweep_wall = launch_cost + measured
+        row = {"concurrency": c, "sweep_best_tok_s": cell["output_tok_s"], "sweep_best_config": cell["config"],
+               "sweep_cells": sum(x["concurrency"] == c for x in doc["cells"]), "sweep_wall_s": round(sweep_wall, 1),
+               "tuner_validated_tok_s": t.get("tuner_validated_tok_s"), "tuner_config": t.get("winner_config"),
+               "trials": t.get("trials"), "wall_s": t.get("wall_s"),
+               "wall_fraction": round(t["wall_s"] / sweep_wall, 3) if t.get("wall_s") else None}
+        if str(c) in confirmed:
+            row["confirm"] = confirmed[str(c)]
+        rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    summary = {"commit": commit or os.environ.get("AUTOTUNE_COMMIT"), **doc["settings"], "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(yaml.safe_dump(summary, sort_keys=False))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["sweep", "tuner", "confirm", "summarize"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--per-stream", type=int, default=4, help="measured requests per concurrent stream")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--trials", type=int, default=None)
+    ap.add_argument("--budget", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=None, help="sweep: only the launches whose name matches this regex")
+    ap.add_argument("--launch-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    args = ap.parse_args()
+    {"sweep": sweep, "tuner": tuner, "confirm": confirm, "summarize": summarize}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()
