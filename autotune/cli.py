@@ -51,6 +51,8 @@ def serve(
     quantization: str = typer.Option(_SERVE_DEFAULTS.quantization, help=" | ".join(_engine_config.QUANTIZATIONS)),
     compile: str = typer.Option(_SERVE_DEFAULTS.compile, help=" | ".join(_engine_config.COMPILE_BACKENDS)),
     cuda_graph_batch_sizes: str = typer.Option("", help="comma-separated batch sizes to capture, e.g. 1,2,4 (CUDA)"),
+    step_shape: str = typer.Option(_SERVE_DEFAULTS.step_shape, help=" | ".join(_engine_config.STEP_SHAPES)
+                                   + " (fixed: greedy output identical with and without speculation on CUDA)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's)"),
     device: str = typer.Option(_SERVE_DEFAULTS.device, help="auto | cpu | cuda | cuda:N"),
     max_seq_len: int = typer.Option(_SERVE_DEFAULTS.max_seq_len, help="context length (KV cache per slot)"),
@@ -58,6 +60,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     port: int = typer.Option(30000, help="port to bind"),
     log_level: str = typer.Option("info", help=" | ".join(_LOG_LEVELS)),
+    request_timeout: float = typer.Option(
+        None, metavar="SECONDS", help="cancel a request still unfinished this long after it arrived: it ends with "
+        "what it generated and finish_reason length (default: no limit, as in vLLM)"),
 ):
     """Serve a model with the embedded speculative-decoding engine (OpenAI API, /health, /metrics)."""
     options = dict(locals())  # the parsed flags: EngineConfig's fields by name, and the server's own
@@ -68,6 +73,8 @@ def serve(
     problem = _serve_flag_error(device, port, log_level, threads)
     if any(s < 1 for s in graph_sizes):
         problem = f"--cuda-graph-batch-sizes must be positive integers like 1,2,4, got {cuda_graph_batch_sizes!r}"
+    if request_timeout is not None and not 0 < request_timeout < float("inf"):
+        problem = f"--request-timeout must be a positive number of seconds, got {request_timeout:g}"
     if problem:
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(2)
@@ -98,7 +105,7 @@ def serve(
     except (ValueError, OSError, RuntimeError) as e:  # bad model path, vocabulary mismatch, no CUDA...
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    serve_engine(engine, host=host, port=port, log_level=log_level)
+    serve_engine(engine, host=host, port=port, log_level=log_level, request_timeout=request_timeout)
     # Shut down cleanly by now; skip interpreter teardown, which takes seconds once torch and uvicorn are loaded.
     logging.shutdown()
     sys.stdout.flush()
@@ -161,6 +168,7 @@ def run(
     max_tokens: int = typer.Option(None, help="cap on output tokens per request"),
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
     parallel: str = typer.Option("1", help="trials side by side on disjoint GPUs (CPU: cores shared): auto | N"),
+    plan_only: bool = typer.Option(False, "--plan", help="print the planned space and queued seeds, launch nothing"),
 ):
     """Tune an engine's launch configuration on this machine with an Optuna study."""
     from rich.console import Console
@@ -175,6 +183,9 @@ def run(
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
             parallel=parallel, engine_binary=engine_binary)
         the_plan = plan.build(opts)
+        if plan_only:
+            typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))
+            return
         outcome = loop.run_study(the_plan, console=Console())
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
         typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)

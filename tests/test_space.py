@@ -9,6 +9,7 @@ from autotune.hardware import get_profile, planned
 from autotune.predict import load_model
 from autotune.space import SpaceError, load_space, parse_set_options, parse_space
 from autotune.space.constraints import ModelShape, hardware_violations, restrict_space
+from autotune.space.fit import fit_space
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -76,7 +77,7 @@ def test_bad_space_files_rejected():
 
 
 def test_seeds_start_with_engine_defaults():
-    space = load_space("embedded")
+    space = fit_space(load_space("embedded"), None, 4)  # no machine facts: the CPU's seeds
     seeds = space.seed_configs()
     assert seeds[0] == space.defaults() and seeds[0]["drafter"] == "none"
     assert any(s["drafter"] == "ngram" for s in seeds[1:])
@@ -108,3 +109,64 @@ def test_hardware_conditions():
     assert space.params["cuda_graph_batch_sizes"].fixed == []
     assert space.params["compile"].fixed == "none"
     assert "gguf" in space.params["quantization"].choices
+
+
+# -- fitted to the machine and the load (issue 16 point 1) -----------------------------------------------
+def test_cuda_space_follows_the_load_and_the_gpus_units():
+    h200 = planned(get_profile("h200-sxm"))
+    for concurrency, sizes in ((1, [1]), (4, [1, 2, 4]), (6, [1, 2, 4, 8]), (8, [1, 2, 4, 8])):
+        space = fit_space(load_space("embedded"), h200, concurrency)
+        assert space.params["cuda_graph_batch_sizes"].choices == [[], sizes]
+        assert space.params["verify_slots"].high == max(concurrency, 4)  # the defaults (4 slots) stay in the space
+        assert set(space.params["compile"].choices) >= {"none", "inductor"}
+        assert space.params["threads"].fixed is None  # a CPU-only knob: torch's default on a GPU machine
+        seeds = space.seed_configs()
+        assert seeds[0] == space.defaults()
+        fast = [s for s in seeds if s["compile"] == "inductor"]
+        assert [s["drafter"] for s in fast] == ["none", "ngram", "ngram"]  # graphs + inductor plain, then n-gram
+        assert all(s["cuda_graph_batch_sizes"] == sizes and s["verify_slots"] == concurrency
+                   and s["dtype"] == "bfloat16" for s in fast)
+        assert all(s["quantization"] != "gguf" for s in seeds)  # the CPU kernel's seeds are not queued
+    # A planned GPU whose sheet lists no bf16 Tensor Core peak is not offered bfloat16.
+    old = planned(dataclasses.replace(get_profile("h200-sxm"), peak_tflops={"fp32": 14, "fp16": 28}))
+    space = fit_space(load_space("embedded"), old, 4)
+    assert space.params["dtype"].choices == ["float32", "float16"]
+    assert all(s["dtype"] != "bfloat16" for s in space.seed_configs())  # outside the space: not queued
+
+
+def test_cpu_space_keeps_threads_and_gguf_and_turns_gpu_knobs_off():
+    from autotune.hardware import probe
+
+    cpu = probe("cpu")
+    space = fit_space(load_space("embedded"), cpu, 4)
+    assert space.params["compile"].fixed == "none" and space.params["cuda_graph_batch_sizes"].fixed == []
+    assert not space.params["threads"].pinned
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu.cpu.isa_flags))  # what this machine's probe says
+    assert ("bfloat16" in space.params["dtype"].choices) == native_bf16
+    seeds = space.seed_configs()
+    assert {"quantization": "gguf"}.items() <= seeds[3].items()
+    assert all(s["compile"] == "none" and s["cuda_graph_batch_sizes"] == [] for s in seeds)
+
+
+def test_user_narrowing_wins_over_machine_and_load_rules():
+    h200 = planned(get_profile("h200-sxm"))
+    narrowed = load_space("embedded").narrowed(parse_set_options(
+        ["cuda_graph_batch_sizes=[[1],[1,2]]", "verify_slots=2..16", "compile=aot_eager"]))
+    space = fit_space(narrowed, h200, 4)
+    assert space.params["cuda_graph_batch_sizes"].choices == [[1], [1, 2]]
+    assert (space.params["verify_slots"].low, space.params["verify_slots"].high) == (2, 16)
+    assert all(s["compile"] == "aot_eager" and s["cuda_graph_batch_sizes"] in ([1], [1, 2])
+               for s in space.seed_configs())
+    # A pinned GPU knob on a CPU machine is left for the trial to reject, with its reason.
+    assert fit_space(load_space("embedded").narrowed({"compile": "inductor"}), None, 4).params["compile"].fixed == "inductor"
+
+
+def test_machine_and_load_keys_are_checked():
+    for data, message in (
+            ({"parameters": {"k": {"type": "int", "low": 1, "high": 4, "device": "tpu"}}}, "device must be"),
+            ({"parameters": {"k": {"type": "float", "low": 1, "high": 4, "load": True}}}, "load: true"),
+            ({"parameters": {"d": {"type": "categorical", "choices": ["a"], "units": {"b": "bf16"}}}}, "units"),
+            ({"parameters": {"k": {"type": "int", "low": 1, "high": 4}}, "seeds": [{"k": "load"}]}, "does not follow"),
+            ({"parameters": {"k": {"type": "int", "low": 1, "high": 4}}, "seeds": [{"device": "gpu"}]}, "device")):
+        with pytest.raises(SpaceError, match=message):
+            parse_space(data)

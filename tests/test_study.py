@@ -246,3 +246,43 @@ def test_queued_seeds_the_run_never_reached_are_closed_then_requeued_on_resume(s
     after = trials_of(resumed)
     measured = [t.user_attrs["config"]["draft_length"] for t in after if t.user_attrs.get("status") == "ok"]
     assert measured == [3, 5]  # the resumed run measured the first seed it had not reached
+
+
+# -- autotune run --plan (issue 16 point 1) ----------------------------------------------------------------
+def planned(*args, env_dir):
+    proc = cli("--plan", *args, env_dir=env_dir)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert not any(env_dir.iterdir())  # nothing launched, no study created
+    space = dict(line.split(None, 1) for line in out.split("space:\n")[1].split("\n\n")[0].splitlines())
+    queued = out.split("queued first")[1].splitlines()[1:]
+    return space, [line for line in queued if line.strip()]
+
+
+@pytest.mark.slow
+def test_plan_prints_the_space_and_seeds_fitted_to_an_h200_and_the_load(tmp_path):
+    for concurrency, sizes in ((4, "[1, 2, 4]"), (8, "[1, 2, 4, 8]")):
+        space, queued = planned("--gpu", "h200-sxm", "--concurrency", str(concurrency), env_dir=tmp_path)
+        assert space["cuda_graph_batch_sizes"] == f"[] | {sizes}"
+        assert "inductor" in space["compile"] and "bfloat16" in space["dtype"]
+        assert space["verify_slots"].startswith(f"1..{max(4, concurrency)}") and space["threads"] == "= None"
+        assert "gguf" not in space["quantization"]
+        assert "seed      (the defaults)" in queued[0]
+        fast = [q for q in queued if "compile=inductor" in q]
+        assert len(fast) == 3 and all(f"cuda_graph_batch_sizes={sizes}" in q and "dtype=bfloat16" in q for q in fast)
+        assert "drafter" not in fast[0] and all("drafter=ngram" in q for q in fast[1:])
+        assert ("verify_slots=8" in fast[0]) == (concurrency == 8)  # 4 slots are the default: not a change
+        assert any(" predicted " in q for q in queued)  # the roofline's picks after the seeds, on a GPU profile
+
+
+@pytest.mark.slow
+def test_plan_for_a_cpu_keeps_threads_and_gguf(tmp_path):
+    from autotune.hardware import probe
+
+    space, queued = planned("--gpu", "cpu", env_dir=tmp_path)
+    assert space["compile"] == "= 'none'" and space["cuda_graph_batch_sizes"] == "= []"
+    assert space["threads"] == f"1..{probe('cpu').cpu.cores}"
+    assert "gguf" in space["quantization"] and any("quantization=gguf" in q for q in queued)
+    assert not any("inductor" in q or "predicted" in q for q in queued)
+    other, _ = planned("--gpu", "a100-80gb-sxm4", "--concurrency", "2", env_dir=tmp_path)
+    assert other["cuda_graph_batch_sizes"] == "[] | [1, 2]"

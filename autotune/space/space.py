@@ -11,6 +11,19 @@ The YAML format (search_spaces/<engine>.yaml) is shared by every engine:
 A parameter with `when` exists only while every named parameter takes one of the listed values, so
 Optuna is only asked for it then (conditional search space). `runtime` parameters can change on a
 running server without a relaunch.
+
+What depends on the machine and the load is written as data too, and resolved by `Space.fitted`
+(autotune/space/fit.py reads the machine's facts):
+
+    compile:      {type: categorical, choices: [none, inductor], default: none, device: cuda}
+    dtype:        {type: categorical, choices: [float32, bfloat16], default: float32, units: {bfloat16: bf16}}
+    verify_slots: {type: int, low: 1, high: 16, default: 4, load: true}
+    seeds: [{device: cuda, compile: inductor, verify_slots: load}]
+
+`device`: searched only where the engine runs on that device (elsewhere it keeps its default).
+`units`: a choice kept only where the hardware has native units of that type. `load: true`: the
+values follow the study's concurrency (an int reaches it; batch sizes are the powers of two up to
+it). In a seed, `device` says where it applies and the value `load` is the load-matched value.
 """
 from __future__ import annotations
 
@@ -25,6 +38,8 @@ from autotune import PROJECT_ROOT
 
 SPACES_DIR = PROJECT_ROOT / "search_spaces"
 TYPES = ("int", "float", "categorical", "batch_sizes")
+DEVICES = ("cuda", "cpu")
+LOAD = "load"  # a seed's value for a `load: true` parameter: the value matched to the study's load
 _UNSET = object()
 
 
@@ -44,6 +59,10 @@ class Param:
     choices: list | None = None
     when: dict[str, list] = field(default_factory=dict)
     runtime: bool = False
+    device: str | None = None  # searched only where the engine runs on this device
+    units: dict[str, str] = field(default_factory=dict)  # choice -> the native unit it needs
+    load: bool = False  # values follow the study's concurrency
+    narrowed: bool = False  # the user narrowed it: machine and load rules leave it alone
     fixed: Any = _UNSET  # pinned by the user: never asked of Optuna
 
     @property
@@ -118,9 +137,12 @@ class Space:
         return {p.name for p in self.params.values() if p.runtime}
 
     def seed_configs(self) -> list[dict]:
-        """Seeds completed with defaults and pins, dropping those outside the user's narrowing."""
+        """Seeds completed with defaults and pins, dropping those outside the user's narrowing (and
+        those that name a device or the load, until the space is fitted to a machine and a load)."""
         out = []
         for seed in self.seeds:
+            if "device" in seed or LOAD in seed.values():
+                continue
             config = self.complete(seed)
             if all(self.params[k].contains(v) for k, v in config.items()) and config not in out:
                 out.append(config)
@@ -129,6 +151,27 @@ class Space:
     def trial_params(self, config: dict) -> dict:
         """A config as the params dict of `study.enqueue_trial` (pinned parameters are not Optuna's)."""
         return {k: self.params[k].encode(v) for k, v in config.items() if not self.params[k].pinned and v is not None}
+
+    # -- the machine and the load ---------------------------------------------------------------
+    def fitted(self, device: str, concurrency: int, units: set[str] | None) -> "Space":
+        """The space for an engine on `device` ("cuda" | "cpu") under `concurrency` requests at a time,
+        on hardware with native `units` (None: not known, every choice kept). Parameters the user pinned
+        or narrowed stay as the user left them."""
+        params = {}
+        for name, p in self.params.items():
+            if not p.pinned and not p.narrowed:
+                if p.device and p.device != device:
+                    p = replace(p, fixed=p.default)
+                elif p.load and p.type == "int":
+                    p = replace(p, high=max(concurrency, p.low, p.default or p.low))
+                elif p.load and p.type == "batch_sizes":
+                    p = replace(p, choices=[[], powers_of_two(concurrency)])
+                if p.units and units is not None and not p.pinned:
+                    p = replace(p, choices=[c for c in p.choices if c not in p.units or p.units[c] in units])
+            params[name] = p
+        seeds = [{k: (load_matched(params[k], concurrency) if v == LOAD else v) for k, v in seed.items() if k != "device"}
+                 for seed in self.seeds if seed.get("device", device) == device]
+        return replace(self, params=params, seeds=seeds)
 
     # -- user narrowing -----------------------------------------------------------------------
     def narrowed(self, overrides: dict[str, Any]) -> "Space":
@@ -139,8 +182,23 @@ class Space:
         for name, spec in overrides.items():
             if name not in params:
                 raise SpaceError(f"unknown parameter {name!r} for {self.engine} (known: {', '.join(params)})")
-            params[name] = _narrow(params[name], spec)
+            params[name] = replace(_narrow(params[name], spec), narrowed=True)
         return replace(self, params=params)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two that reaches `limit`: batch sizes for every load up to it."""
+    sizes = [1]
+    while sizes[-1] < limit:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+def load_matched(p: Param, concurrency: int):
+    """A `load: true` parameter's value for `concurrency` requests at a time (a seed's `load`)."""
+    if p.pinned:
+        return p.fixed
+    return powers_of_two(concurrency) if p.type == "batch_sizes" else concurrency
 
 
 def _narrow(p: Param, spec) -> Param:
@@ -224,9 +282,13 @@ def parse_space(data, source: str = "<space>") -> Space:
     if not isinstance(seeds, list) or not all(isinstance(s, dict) for s in seeds):
         raise SpaceError(f"{source}: 'seeds' must be a list of mappings")
     for seed in seeds:
+        if seed.get("device", "cuda") not in DEVICES:
+            raise SpaceError(f"{source}: a seed's device must be one of {DEVICES}, got {seed['device']!r}")
         for k, v in seed.items():
-            if k not in params:
+            if k != "device" and k not in params:
                 raise SpaceError(f"{source}: seed names unknown parameter {k!r}")
+            if v == LOAD and not params[k].load:
+                raise SpaceError(f"{source}: a seed sets {k} to {LOAD!r}, but {k} does not follow the load")
     return Space(engine=str(data.get("engine", Path(source).stem)), params=params, seeds=seeds,
                  version=data.get("version"), source=source)
 
@@ -235,12 +297,20 @@ def _param(name: str, spec, earlier: dict[str, Param], source: str) -> Param:
     where = f"{source}: parameter {name!r}"
     if not isinstance(spec, dict) or spec.get("type") not in TYPES:
         raise SpaceError(f"{where}: needs 'type' in {TYPES}")
-    unknown = set(spec) - {"type", "low", "high", "step", "log", "choices", "default", "when", "runtime"}
+    unknown = set(spec) - {"type", "low", "high", "step", "log", "choices", "default", "when", "runtime", "device",
+                           "units", "load"}
     if unknown:
         raise SpaceError(f"{where}: unknown keys {sorted(unknown)}")
     p = Param(name=name, type=spec["type"], default=spec.get("default"), low=spec.get("low"), high=spec.get("high"),
               step=spec.get("step"), log=bool(spec.get("log", False)), choices=spec.get("choices"),
-              when=spec.get("when") or {}, runtime=bool(spec.get("runtime", False)))
+              when=spec.get("when") or {}, runtime=bool(spec.get("runtime", False)), device=spec.get("device"),
+              units=spec.get("units") or {}, load=bool(spec.get("load", False)))
+    if p.device is not None and p.device not in DEVICES:
+        raise SpaceError(f"{where}: device must be one of {DEVICES}, got {p.device!r}")
+    if not isinstance(p.units, dict) or (p.units and not set(p.units) <= set(p.choices or [])):
+        raise SpaceError(f"{where}: 'units' maps some of its choices to the native unit each needs")
+    if p.load and p.type not in ("int", "batch_sizes"):
+        raise SpaceError(f"{where}: 'load: true' applies to int and batch_sizes parameters")
     if p.type in ("int", "float"):
         if not isinstance(p.low, (int, float)) or not isinstance(p.high, (int, float)) or p.low > p.high:
             raise SpaceError(f"{where}: needs numeric low <= high")

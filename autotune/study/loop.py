@@ -87,10 +87,7 @@ def run_study(p: Plan, console=None) -> Outcome:
     seeds = p.space.seed_configs() if not opts.resume else [
         t.user_attrs["seed_config"] for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
         if t.user_attrs.get("status") == record.NOT_RUN and "seed_config" in t.user_attrs]
-    for config in seeds:
-        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
-    for config, prediction in predicted_configs(p, study):
-        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
+    enqueue(p, study, seeds)
     deadline = time.time() + opts.budget_s if opts.budget_s else None
     return run_trials(p, study, deadline=deadline, console=console, stale_failed=stale, close_queue=True)
 
@@ -127,6 +124,24 @@ def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=
     stopped = interrupted or stop.requested
     view.summary(best, default, gain, launches=launches, saved=saved, directory=p.directory, interrupted=stopped)
     return Outcome(p.name, p.storage, p.directory, best, default, gain, launches, saved, stale_failed, stopped)
+
+
+def enqueue(p: Plan, study: optuna.Study, seeds: list[dict]) -> None:
+    """Queue the seeds, then the best predicted configurations the seeds leave out."""
+    for config in seeds:
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
+    for config, prediction in predicted_configs(p, study):
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
+
+
+def planned_queue(p: Plan) -> list[tuple[str, dict]]:
+    """What a new study of this plan queues, in order, as (seed | predicted, config): `autotune run
+    --plan`, computed in an in-memory study without launching anything."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=objectives.directions(p.opts.objective))
+    enqueue(p, study, p.space.seed_configs())
+    return [("predicted" if "predicted" in t.user_attrs else "seed", t.user_attrs["seed_config"])
+            for t in study.get_trials(deepcopy=False)]
 
 
 def predicted_configs(p: Plan, study: optuna.Study) -> list[tuple[dict, dict]]:

@@ -14,6 +14,7 @@ from autotune.engines import get_adapter
 from autotune.engines.base import EngineAdapter
 from autotune.hardware import probe
 from autotune.space import constraints
+from autotune.space.fit import fit_space
 from autotune.space.space import Space, load_overrides, load_space, parse_set_options, parse_space
 from autotune.study import objectives, storage
 from autotune.study.parallel import arrange
@@ -121,6 +122,7 @@ def build(opts: RunOptions) -> Plan:
     shape = constraints.ModelShape.of(model)
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model, adapter=adapter)
+    space = fit_space(space, hardware, opts.concurrency)  # device knobs, native units, load-matched sizes
     space, opts.parallel = arrange(space, hardware, opts.parallel, adapter)  # "auto" resolved; CPU threads shared
     workload = load_workload(opts.workload)
     slo = parse_slo(opts.slo) if opts.slo else None
@@ -128,3 +130,30 @@ def build(opts: RunOptions) -> Plan:
     directory = storage.study_dir(name, opts.studies_root)
     url = opts.storage or storage.default_storage(name, opts.studies_root)
     return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, model, draft)
+
+
+def describe(p: Plan, queue: list[tuple[str, dict]]) -> list[str]:
+    """`autotune run --plan`: the machine and load the space was fitted to, each parameter's values
+    after the hardware's restrictions and the user's narrowing, and the trials queued first, in order."""
+    o = p.opts
+    profile = getattr(p.hardware, "profile", None)
+    lines = [f"plan: {o.engine} on {p.hardware.gpu_count} GPU(s), profile {profile.name if profile else 'none'} "
+             f"({p.hardware.source}); workload {o.workload} at concurrency {o.concurrency}, {o.num_requests} requests "
+             f"of {o.max_tokens} tokens; " + (f"budget {o.budget_s:g} s, " if o.budget_s else "") + f"{o.trials} trials",
+             "", "space:"]
+    width = max(map(len, p.space.params))
+    for param in p.space.params.values():
+        if param.pinned:
+            values = f"= {param.fixed!r}"
+        elif param.type in ("categorical", "batch_sizes"):
+            values = " | ".join(map(str, param.choices))
+        else:
+            values = f"{param.low:g}..{param.high:g}" + (" (log)" if param.log else "")
+        when = "  when " + ", ".join(f"{k} in {v}" for k, v in param.when.items()) if param.when else ""
+        lines.append(f"  {param.name:<{width}}  {values}{when}")
+    lines += ["", "queued first (changed from the defaults):"]
+    defaults = p.space.defaults()
+    for i, (kind, config) in enumerate(queue):
+        changed = ", ".join(f"{k}={v}" for k, v in config.items() if v != defaults.get(k)) or "(the defaults)"
+        lines.append(f"  {i:>2} {kind:<9} {changed}")
+    return lines
