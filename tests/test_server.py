@@ -282,9 +282,12 @@ def test_openai_client(embedded_server):
 @pytest.mark.slow
 def test_small_context_caps_max_tokens_and_sigterm_exits_0(start_embedded_server):
     server = start_embedded_server(drafter="none", verify_slots=1, max_seq_len=256)
-    full = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                      json={"prompt": list(range(100, 352)), "max_tokens": 50, "ignore_eos": True}).json()
+    full = httpx.post(f"{server.url}/v1/completions", timeout=60,  # the default max_tokens, 16, is capped
+                      json={"prompt": list(range(100, 352)), "ignore_eos": True}).json()
     assert (full["choices"][0]["finish_reason"], full["usage"]["completion_tokens"]) == ("length", 4)  # 256 - 252
+    asked = httpx.post(f"{server.url}/v1/completions", timeout=60,  # an explicit one is refused, as vLLM does
+                       json={"prompt": list(range(100, 352)), "max_tokens": 50, "ignore_eos": True})
+    assert asked.status_code == 400 and asked.json()["error"]["param"] == "max_tokens"
 
     # SIGTERM with a stream in flight: the stream ends with "abort" and [DONE], the server exits 0.
     payloads, first_token = [], threading.Event()

@@ -14,11 +14,16 @@ Metrics served on GET /metrics (all engine-wide, since start):
   autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
   autotune_spec_draft_seconds_total        counter  time spent drafting
   autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes
+  autotune_http_requests_total{path,status} counter HTTP requests answered, refused ones included (499:
+                                                    the client left before any response)
+  autotune_request_timeouts_total          counter  requests cancelled at the server's --request-timeout
 
 The engine keeps these totals itself, under its scheduler lock (Engine.stats()); a custom collector
 reads them at each scrape rather than mirroring them into prometheus_client Counter objects, which
 could only be incremented from inside the engine loop and would be a second copy to keep in step.
 """
+import collections
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE  # noqa: F401 - the /metrics route's
@@ -54,10 +59,30 @@ class EngineCollector:
             yield FAMILIES[kind](name, help_text, value=float(stats[key]))
 
 
-def registry(stats) -> CollectorRegistry:
-    """One server's registry: its engine's metrics, and nothing registered by other code in the process."""
+class HttpCounts:
+    """What the HTTP server counts itself (the engine never sees a request the server refused); changed on
+    the event loop only."""
+
+    def __init__(self):
+        self.by_status: collections.Counter[tuple[str, int]] = collections.Counter()  # (path, status) -> n
+        self.timeouts = 0
+
+    def collect(self):
+        family = CounterMetricFamily("autotune_http_requests", "HTTP requests answered, by path and status.",
+                                     labels=("path", "status"))
+        for (path, status), n in sorted(self.by_status.items()):
+            family.add_metric((path, str(status)), n)
+        yield family
+        yield CounterMetricFamily("autotune_request_timeouts", "Requests cancelled at --request-timeout.",
+                                  value=self.timeouts)
+
+
+def registry(stats, http: HttpCounts | None = None) -> CollectorRegistry:
+    """One server's registry: its engine's metrics (and its HTTP counts), nothing registered by other code."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats))
+    if http is not None:
+        registry.register(http)
     return registry
 
 

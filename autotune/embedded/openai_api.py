@@ -1,13 +1,28 @@
 """The OpenAI wire format of the embedded server: request validation and response bodies.
 
-Requests (`/v1/completions`, `/v1/chat/completions`) accept: `prompt` (string or token id list) or
-`messages`, `max_tokens` (or `max_completion_tokens`; default 16 for completions, the rest of the
-context for chat; always capped where the context ends, finish_reason "length"), `temperature`
-[0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10], `stop` (string or
-list; matched on the detokenized text, which is cut before it), `seed`, `ignore_eos` (vLLM/SGLang
-extension), `n` (1 only), `stream`, `stream_options.include_usage`, and the extension `draft_length`
-(per-request k, 0..MAX_DRAFT_LENGTH). Unknown fields are ignored, as OpenAI-compatible servers do.
-Anything invalid raises BadRequest, which the server turns into HTTP 400 with an OpenAI-style error.
+Requests (`/v1/completions`, `/v1/chat/completions`) accept: `prompt` (a string, a token id list, or a
+list holding one of those) or `messages` (each an object with `role` system | developer | user |
+assistant and `content`, a string or a list of text parts; `name` is ignored), `model` (a string:
+this server's model or empty), `max_tokens` (or `max_completion_tokens`, which wins when both are
+given), `temperature` [0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10],
+`stop` (string or list; matched on the detokenized text, which is cut before it), `seed`, `ignore_eos`
+(vLLM/SGLang extension), `n` and `best_of` (1 only), `stream`, `stream_options` (only with stream:
+`include_usage`; `continuous_usage_stats` is accepted and ignored), and the extension `draft_length`
+(per-request k, 0..MAX_DRAFT_LENGTH). Numbers must be finite JSON numbers of the right kind: a string,
+a boolean or 16.0 where an integer is required is refused.
+
+The context, as vLLM does it: a request whose prompt plus max_tokens exceeds the context is refused with
+400 ("This model's maximum context length is N tokens. However, you requested M tokens (P in the
+messages, C in the completion)..."). Only a default is capped where the context ends (finish_reason
+"length"): 16 for completions, the rest of the context for chat.
+
+Fields other servers implement and this one does not (UNSUPPORTED: logprobs, tools, penalties,
+response_format, guided decoding, ...) are refused with 400 naming the field, unless they hold the
+value that means "off" (`logprobs: false`, `presence_penalty: 0`, `tools: []`, ...): serving the request
+without them would change its output silently. Any other unknown field (`user`, `metadata`, `store`,
+`service_tier`, ...) is ignored, as vLLM ignores fields it does not know (it logs them; so does this).
+Anything invalid raises BadRequest, which the server turns into HTTP 400 with an OpenAI-style error
+whose `param` is the field.
 
 `usage` carries, besides OpenAI's prompt_tokens, completion_tokens and total_tokens, what the bench
 harness and the tuner read:
@@ -24,7 +39,9 @@ harness and the tuner read:
   spec_draft_seconds    time spent drafting in this request's steps (a batched step counts whole)
   spec_verify_seconds   time spent in the target's verify passes of this request's steps
 """
+import functools
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +52,23 @@ from autotune.embedded.config import MAX_DRAFT_LENGTH, GenerationEvent, Sampling
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 INT32_MAX = 2**31 - 1
+ROLES = ("system", "developer", "user", "assistant")  # tool and function turns need tool calls: not served
+# Implemented elsewhere (OpenAI, vLLM, SGLang), not here: refused unless the value is one that means "off".
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
+    "suffix": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []), "bad_words": (None, []),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+}
+KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+         "repetition_penalty", "stop", "seed", "ignore_eos", "n", "best_of", "stream", "stream_options",
+         "draft_length", *UNSUPPORTED}
 
 
 class BadRequest(Exception):
@@ -57,6 +91,7 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignored: list[str] = field(default_factory=list)  # unknown fields, ignored (the server logs them)
 
 
 def _number(body: dict, name: str, default, low=None, high=None, low_open=False, integer=False):
@@ -64,8 +99,8 @@ def _number(body: dict, name: str, default, low=None, high=None, low_open=False,
     if value is None:
         return default
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (isinstance(value, float) and not math.isfinite(value)):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a finite number'}, got {value!r}", name)
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
         if high is None:
@@ -95,23 +130,63 @@ def _stop_strings(body: dict) -> list[str]:
     return stops
 
 
+def _is_off(value, off) -> bool:
+    if type(off) is int:
+        return type(value) in (int, float) and value == off  # 0 and 0.0 alike, never false
+    return type(value) is type(off) and value == off
+
+
+def _unsupported(body: dict):
+    for name, offs in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(_is_off(value, off) for off in offs):
+            raise BadRequest(f"'{name}' is not supported by this server (got {json.dumps(value)[:80]}); "
+                             f"leave it out", name)
+
+
 def _message_text(message, index: int) -> dict:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise BadRequest(f"messages[{index}] must be an object with a string 'role'", "messages")
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object with 'role' and 'content'", "messages")
+    if message.get("role") not in ROLES:
+        raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {message.get('role')!r}", "messages")
+    if message.get("tool_calls"):
+        raise BadRequest(f"{where}.tool_calls: tool calls are not supported by this server", "messages")
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts; only text can be served
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise BadRequest(f"messages[{index}].content: only text parts are supported", "messages")
+            raise BadRequest(f"{where}.content: only text parts are supported", "messages")
         content = "".join(p["text"] for p in content)
     if content is None:
-        content = ""
+        raise BadRequest(f"{where}.content is missing: every message needs a string or a list of text parts",
+                         "messages")
     if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", "messages")
+        raise BadRequest(f"{where}.content must be a string or a list of text parts", "messages")
     return {"role": message["role"], "content": content}
 
 
-def _prompt(body: dict, chat: bool, tokenizer) -> tuple[list[int], str]:
+def _encode(tokenizer, text: str, param: str, max_seq_len: int) -> list[int]:
+    # No token spells more than longest_token_chars characters (+1: one a token's bytes may start): a longer
+    # text cannot fit however it tokenizes, and is refused before the tokenizer spends seconds on megabytes.
+    if len(text) > max_seq_len * (longest_token_chars(tokenizer) + 1):
+        raise BadRequest(f"'{param}' has {len(text)} characters: more than this server's context of {max_seq_len} "
+                         f"tokens can hold", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{param}' is not valid Unicode (a lone surrogate escape)", param) from None
+    return tokenizer.encode(text)
+
+
+@functools.cache
+def longest_token_chars(tokenizer) -> int:
+    return max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
+
+
+def _prompt(body: dict, chat: bool, tokenizer, max_seq_len: int) -> tuple[list[int], str]:
     if chat:
+        if body.get("prompt") is not None:
+            raise BadRequest("'prompt' belongs to /v1/completions; chat takes 'messages'", "prompt")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -119,10 +194,14 @@ def _prompt(body: dict, chat: bool, tokenizer) -> tuple[list[int], str]:
             text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)])
         except (ValueError, TemplateError) as e:  # no template, or the template refuses these messages
             raise BadRequest(f"messages: {e}", "messages") from None
-        return tokenizer.encode(text), text
+        return _encode(tokenizer, text, "messages", max_seq_len), text
+    if body.get("messages") is not None:
+        raise BadRequest("'messages' belongs to /v1/chat/completions; completions take 'prompt'", "messages")
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt), prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str) and prompt:
+        return _encode(tokenizer, prompt, "prompt", max_seq_len), prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < tokenizer.vocab_size for t in prompt):
             raise BadRequest(f"'prompt' token ids must be in [0, {tokenizer.vocab_size})", "prompt")
@@ -132,38 +211,42 @@ def _prompt(body: dict, chat: bool, tokenizer) -> tuple[list[int], str]:
     raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_len: int) -> ParsedRequest:
-    """Validate a completions (chat=False) or chat completions request body against the engine."""
+    """Validate a completions (chat=False) or chat completions request body against the engine: every
+    field's type and range first, then the prompt (tokenized) against the context."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    model = body.get("model") or model_name
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"'model' must be a string, got {model!r}", "model")
+    model = model or model_name
     if model != model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
-    if _number(body, "n", 1, integer=True) != 1 or _number(body, "best_of", 1, integer=True) != 1:
-        raise BadRequest("only n=1 is supported", "n")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
+    for name in ("n", "best_of"):
+        if _number(body, name, 1, integer=True) != 1:
+            raise BadRequest(f"only {name}=1 is supported", name)
+    _unsupported(body)
+    stream = _flag(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
-
-    prompt_ids, prompt_text = _prompt(body, chat, tokenizer)
-    if not prompt_ids:
-        raise BadRequest("the prompt is empty", "prompt")
-    room = max_seq_len - len(prompt_ids)
-    if room < 1:
-        raise BadRequest(
-            f"the prompt has {len(prompt_ids)} tokens; this server's context holds {max_seq_len} tokens "
-            f"including the completion", "prompt")
-    name = "max_completion_tokens" if body.get("max_tokens") is None else "max_tokens"
-    max_tokens = _number(body, name, None, low=1, integer=True)
-    if max_tokens is None:
-        max_tokens = room if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if stream_options is not None and not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    stream_options = stream_options or {}
+    include_usage = _flag(stream_options, "include_usage")
+    _flag(stream_options, "continuous_usage_stats")  # per-chunk usage (vLLM): accepted, not sent
+    asked = {name: _number(body, name, None, low=1, integer=True) for name in ("max_completion_tokens", "max_tokens")}
     top_k = _number(body, "top_k", 0, low=-1, high=INT32_MAX, integer=True)
     params = SamplingParams(
-        max_tokens=min(max_tokens, room),  # the KV cache ends there; finish_reason "length" says so
+        max_tokens=0,  # set below, once the prompt's length is known
         temperature=float(_number(body, "temperature", 0.0, low=0, high=2)),
         top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
         top_k=max(top_k, 0),
@@ -172,10 +255,27 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         seed=_number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True),  # torch takes int64
         draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),
     )
+    stop = _stop_strings(body)
+
+    prompt_ids, prompt_text = _prompt(body, chat, tokenizer, max_seq_len)
+    where = "messages" if chat else "prompt"
+    if len(prompt_ids) >= max_seq_len:
+        raise BadRequest(f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+                         f"{len(prompt_ids)} tokens in the {where}, leaving no room for the completion. Please reduce "
+                         f"the length of the {where}.", where)
+    room = max_seq_len - len(prompt_ids)
+    name = "max_completion_tokens" if asked["max_completion_tokens"] is not None else "max_tokens"
+    if asked[name] is None:  # the default, capped where the KV cache ends (finish_reason "length" says so)
+        params.max_tokens = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    elif asked[name] > room:
+        raise BadRequest(f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+                         f"{len(prompt_ids) + asked[name]} tokens ({len(prompt_ids)} in the {where}, {asked[name]} in "
+                         f"the completion). Please reduce the length of the {where} or completion.", name)
+    else:
+        params.max_tokens = asked[name]
     return ParsedRequest(
-        chat=chat, model=model, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
-        stop=_stop_strings(body), stream=_flag(body, "stream"),
-        include_usage=_flag(stream_options, "include_usage"),
+        chat=chat, model=model, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params, stop=stop,
+        stream=stream, include_usage=include_usage, ignored=sorted(set(body) - KNOWN),
     )
 
 

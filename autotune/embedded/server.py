@@ -10,7 +10,11 @@ Endpoints:
                                                      without a restart; 400 on bad values
 
 Requests queue in the engine when every slot is busy. A client that disconnects has its request
-cancelled, which frees its slot. SIGTERM: stop accepting, abort what is in flight, exit 0.
+cancelled, which frees its slot. With a request timeout (`autotune serve --request-timeout S`; default
+none, as in vLLM), a request still unfinished S seconds after it arrived, queued or generating, is
+cancelled in the engine and ends as llama-server ends one past its `t_max_predict_ms`: a normal response
+with what was generated so far and finish_reason "length" (streams: a last chunk saying so), counted in
+autotune_request_timeouts_total and logged. SIGTERM: stop accepting, abort what is in flight, exit 0.
 """
 import asyncio
 import json
@@ -22,6 +26,7 @@ from typing import NamedTuple
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -56,10 +61,11 @@ class Piece(NamedTuple):
 class _Run:
     """One request in the engine, seen from the event loop: engine events in, text pieces out."""
 
-    def __init__(self, engine, parsed: ParsedRequest):
+    def __init__(self, engine, parsed: ParsedRequest, deadline: float | None, counts: metrics.HttpCounts):
         self.engine, self.parsed = engine, parsed
+        self.deadline, self.counts = deadline, counts  # time.monotonic() at which the request is cancelled
         self.queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        self.finished = False
+        self.finished = self.timed_out = False
         loop = asyncio.get_running_loop()
 
         def on_event(event: GenerationEvent):  # called on the engine's thread
@@ -78,7 +84,7 @@ class _Run:
         decoder, stops = StreamDecoder(self.engine.tokenizer), StopStrings(self.parsed.stop)
         received = 0
         while True:
-            event = await self.queue.get()
+            event = await self._next_event()
             received += len(event.new_token_ids)
             text = stops.feed(decoder.push(event.new_token_ids))
             if stops.stopped and event.finish_reason is None:
@@ -94,8 +100,22 @@ class _Run:
             # A stop string ends the request early; count what was generated up to it.
             completion = received if stops.stopped else event.completion_tokens
             finish = "stop" if stops.stopped else event.finish_reason
+            if self.timed_out and finish == "abort":  # cancelled by us at the deadline, not by a shutdown
+                finish = "length"
             yield Piece(text, finish, usage(len(self.parsed.prompt_ids), completion, event), event.error)
             return
+
+    async def _next_event(self) -> GenerationEvent:
+        if self.deadline is None or self.timed_out:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            self.timed_out = True
+            self.counts.timeouts += 1
+            log.info("request timeout: cancelled after %d prompt tokens", len(self.parsed.prompt_ids))
+            self.engine.cancel(self.id)  # its events up to the abort still arrive, then the slot is free
+            return await self.queue.get()
 
     def close(self):
         if not self.finished:
@@ -107,8 +127,36 @@ class _State:
     draining = False  # set at shutdown: refuse new generations, report unhealthy
 
 
-def build_app(engine) -> Starlette:
-    state = _State()
+class _CountRequests:
+    """ASGI middleware: every HTTP request, by path and the status answered (refused ones included)."""
+
+    def __init__(self, app, counts: metrics.HttpCounts, paths: set[str]):
+        self.app, self.counts, self.paths = app, counts, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope["path"] if scope["path"] in self.paths else "other"  # a bounded set of label values
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            status = status or 500  # the server's error handler, outside this middleware, answers it
+            raise
+        finally:
+            self.counts.by_status[path, status or 499] += 1  # 499: the client left before any response
+
+
+def build_app(engine, request_timeout: float | None = None) -> Starlette:
+    """The server's routes; `request_timeout`: seconds after which a request is cancelled (None: never)."""
+    state, counts = _State(), metrics.HttpCounts()
 
     def log_done(parsed: ParsedRequest, last: Piece, started: float):
         log.info("%s %s prompt=%d completion=%d %.2fs accept_length=%.2f",
@@ -123,10 +171,12 @@ def build_app(engine) -> Starlette:
         except BadRequest as e:
             log.info("%s 400: %s", request.url.path, e.message)
             return _error(400, e.message, param=e.param)
+        if parsed.ignored:
+            log.info("%s: ignored unknown fields %s", request.url.path, ", ".join(parsed.ignored))
         if state.draining:
             return _error(503, "the server is shutting down", "server_error")
         fmt = ResponseFormat(parsed)
-        run = _Run(engine, parsed)
+        run = _Run(engine, parsed, started + request_timeout if request_timeout else None, counts)
         if parsed.stream:
             return StreamingResponse(sse(run, fmt, started), media_type="text/event-stream")
 
@@ -195,7 +245,7 @@ def build_app(engine) -> Starlette:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.model_name, "device": str(engine.device)})
 
-    registry = metrics.registry(lambda: engine.stats())  # read at each scrape, as the engine is then
+    registry = metrics.registry(lambda: engine.stats(), counts)  # read at each scrape, as they are then
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
@@ -220,17 +270,16 @@ def build_app(engine) -> Starlette:
         log.exception("%s failed", request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
-    app = Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models),
-            Route("/health", health),
-            Route("/metrics", prometheus),
-            Route("/admin/runtime", runtime, methods=["GET", "POST"]),
-        ],
-        exception_handlers={Exception: internal_error},
-    )
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", prometheus),
+        Route("/admin/runtime", runtime, methods=["GET", "POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={Exception: internal_error},
+                    middleware=[Middleware(_CountRequests, counts=counts, paths={r.path for r in routes})])
     app.state.server = state
     return app
 
@@ -265,9 +314,10 @@ def bind_error(host: str, port: int) -> str | None:
     return None
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info") -> None:
+def serve(engine, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info",
+          request_timeout: float | None = None) -> None:
     """Serve a loaded engine until SIGTERM or Ctrl-C; returns after a graceful shutdown."""
-    app = build_app(engine)
+    app = build_app(engine, request_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=10)
     server = _Server(config, engine, app.state.server)
