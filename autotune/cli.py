@@ -317,16 +317,21 @@ def estimate(
     concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),
     context_len: int = typer.Option(None, help="tokens one sequence must fit (default 4096; embedded: 2048)"),
     top: int = typer.Option(10, help="configurations to show"),
+    set_: list[str] = typer.Option(None, "--set", help="pin or narrow, as for run: name=value | name=a,b | name=low..high"),
+    space: str = typer.Option(None, help="a search-space YAML, or a narrowing file {name: value|[values]|{low,high}}"),
     json_output: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ):
     """Rank an engine's configurations by PREDICTED decode tok/s and memory, without launching anything."""
     from autotune.engines import get_adapter
     from autotune.predict.report import estimate_report
+    from autotune.study.plan import user_space
 
     try:
-        text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=get_adapter(engine),
+        adapter = get_adapter(engine)
+        text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=adapter,
                                draft_model=draft_model, alpha=alpha, concurrency=concurrency,
-                               context_len=context_len, top=top, as_json=json_output)
+                               context_len=context_len, top=top, as_json=json_output,
+                               space=user_space(adapter, space, set_ or []))
     except ValueError as e:
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2)

@@ -4,6 +4,11 @@
         [--ks 0,1,2,4,8] [--limit 48] [--repeats 1] [--max-tokens 48] [--fixed 1,2,4,8] [--no-reference]
         [--rotation 0] [--threads 1] [--drafter ngram]
     python3 benchmarks/bench_estimator.py --estimator E.json --combine EVAL_DIR [EVAL_DIR ...]
+    python3 benchmarks/bench_estimator.py --drafter quantized_self,early_exit --summary S.json ...
+
+With several drafters (comma-separated) each gets DIR/<drafter>/ and, with --summary, one row of
+{"machine", "drafter", "best_fixed_k", "ratio", "ci_low", "ci_high", "greedy_identical"} in S.json (a row of
+the same machine and drafter is replaced).
 
 1. Fit: a collection pass (code, chat and repetitive prompts not in the held-out set, interleaved;
    temperatures 0..1 round robin; each prompt at every k of --ks, back to back) on a fresh server, or
@@ -15,7 +20,8 @@
    (the best fixed arm chosen again on each resample; beside it the interval with the pooled winner
    frozen, and how often each fixed arm won a resample), the median paired per-request ratio, the
    per-bucket table and whether the greedy (temperature 0) outputs are identical. Writes
-   DIR/estimator.json, DIR/estimator-eval/eval.json.
+   DIR/estimator.json, DIR/estimator-eval/eval.json. The collection traces every proposal, so for model
+   drafters (and n-gram, from the target's signals) the fit includes the runtime stop rule (stop.py).
 3. --combine: pool several such runs (e.g. the same estimator, another --rotation) into one comparison.
 """
 import argparse
@@ -32,6 +38,18 @@ def ints(text: str) -> list[int]:
 
 
 def main():
+    args = parse()
+    if args.combine:
+        return show(combine(args.estimator, args.combine))
+    for drafter in args.drafter.split(","):
+        out = Path(args.out) / drafter if "," in args.drafter else Path(args.out)
+        doc = run(args, drafter, out)
+        show(doc)
+        if args.summary:
+            add_row(Path(args.summary), summary_row(doc, args.machine or machine(), drafter))
+
+
+def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/estimator", help="where the estimator and results go")
     parser.add_argument("--rows", help="fit on this parquet of a collection pass instead of collecting")
@@ -50,30 +68,59 @@ def main():
     parser.add_argument("--rotation", type=int, default=0, help="which arm goes first on the first request")
     parser.add_argument("--combine", nargs="+", metavar="EVAL_DIR",
                         help="pool the eval-requests.parquet of these runs of --estimator (no new measurement)")
-    args = parser.parse_args()
-    if args.combine:
-        return show(combine(args.estimator, args.combine))
-    out = Path(args.out)
+    parser.add_argument("--early-exit-layers", type=int, help="L of the early_exit drafter (default: the engine's)")
+    parser.add_argument("--summary", help="summary.json to put each drafter's row in")
+    parser.add_argument("--machine", help="the summary rows' machine (default: the CUDA device's name, else 'cpu')")
+    return parser.parse_args()
+
+
+def run(args, drafter: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     engine = {"threads": args.threads} if args.threads else {}
-    config = {"drafter": args.drafter, "draft_length": 4, **engine}
+    if args.early_exit_layers and drafter == "early_exit":
+        engine["early_exit_layers"] = args.early_exit_layers
+    config = {"drafter": drafter, "draft_length": 4, **engine}
     if args.estimator:
         path = Path(args.estimator)
     else:
         if args.rows:
             rows = pd.read_parquet(args.rows)
         else:
-            rows = est.collect(config, out, ks=tuple(ints(args.ks)), limit=args.collect_limit)
+            rows = est.collect(config, out, ks=tuple(ints(args.ks)), limit=args.collect_limit,
+                               max_tokens=args.max_tokens)
             rows.to_parquet(out / "estimator-data.parquet", index=False)
         fitted = est.fit(rows, source=args.rows or "collection pass")
         fitted.info["engine_config"] = config
         path = fitted.write(out)
         print(f"fitted on {len(rows)} requests: feature {fitted.primary.feature}, c {fitted.c}, "
               f"k table {fitted.primary.k_table}, quality {json.dumps(fitted.info['feature_quality'])}")
-    doc = est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
-                       max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference,
-                       rotation=args.rotation)
-    show(doc)
+        rule = fitted.info.get("stop_rule")
+        if rule:
+            print(f"stop rule: {rule['signal']} above {rule['thresholds']} per temperature band, caps {rule['caps']}, "
+                  f"replayed speedup {rule['expected_speedup']}, AUC {rule['auc']} on {rule['tokens']} tokens; "
+                  f"costs {json.dumps(fitted.info['width_costs'])}")
+    return est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
+                        max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference,
+                        rotation=args.rotation)
+
+
+def machine() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def summary_row(doc: dict, machine_name: str, drafter: str) -> dict:
+    low, high = doc["gain_interval_90"]
+    return {"machine": machine_name, "drafter": drafter, "best_fixed_k": int(doc["best_fixed"][2:]),
+            "ratio": round(1 + doc["gain"], 4), "ci_low": round(1 + low, 4), "ci_high": round(1 + high, 4),
+            "greedy_identical": not any(doc["greedy_outputs_differ_any_arm"].values())}
+
+
+def add_row(path: Path, row: dict):
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if (r["machine"], r["drafter"]) != (row["machine"], row["drafter"])] + [row]
+    path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def combine(estimator: str, dirs: list[str]) -> dict:

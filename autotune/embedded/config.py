@@ -48,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     draft_length: int | None = None  # per-request override of k (runtime knob the tuner sets per request)
+    draft_trace: bool = False  # return each step's proposed-token signals in usage (estimator collection)
 
 
 @dataclass
@@ -68,6 +69,8 @@ class SpecStats:
     rejections: int = 0  # verify steps that stopped at a rejected proposal
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # per verify step when the request asked for draft_trace: [entropies, top-1 probs, accepted] of its proposals
+    trace: list = field(default_factory=list)
 
     @property
     def accept_rate(self) -> float:

@@ -19,7 +19,16 @@
        "temperature_edges": [0.0, 0.5],                                 # band = bisect_left
        "k_table": [[8, 6, 3], [6, 4, 2], [4, 3, 1]], ...}               # k_table[band][bucket]
 
-  A Python file defines `draft_length(features: dict) -> int`.
+  Its optional "stop_rule" stops drafting during a step (generate.py): a draft token whose risk (entropy
+  of the draft's distribution, or doubt = 1 - its top-1 probability) is above the threshold of the
+  request's temperature band ends the proposal (null: never stop); for the n-gram drafter the risk is the
+  target's at the last accepted token, and a step above it proposes nothing. Its curve, AUC and
+  per-engine settings are for people and exports:
+
+      "stop_rule": {"signal": "entropy", "temperature_edges": [0.0, 0.5], "thresholds": [1.2, 2.0, null]}
+
+  A Python file defines `draft_length(features: dict) -> int` (and, optionally, `stop_above(features) ->
+  float | None` with a module-level STOP_SIGNAL).
 
   Features (all forms): prompt_entropy (mean next-token entropy of the first 32 prompt positions,
   nats), prompt_tokens, prompt_chars, temperature, top_p, and the model-free compression_ratio and
@@ -34,6 +43,7 @@ import zlib
 from pathlib import Path
 
 from autotune.embedded.config import MAX_DRAFT_LENGTH
+from autotune.embedded.generate import STOP_SIGNALS
 
 
 # Model-free prompt features: any serving stack can compute them from the text alone. The estimator's
@@ -70,6 +80,21 @@ def clamp_k(k: int) -> int:
     return max(0, min(MAX_DRAFT_LENGTH, int(k)))
 
 
+def stop_threshold(rule: dict, temperature: float) -> float | None:
+    """The stop rule's threshold for a temperature (None: never stop)."""
+    return rule["thresholds"][bisect.bisect_left(rule["temperature_edges"], temperature)]
+
+
+class FileEstimator:
+    """An estimator file, read: k per request (`self(features)`), and its stop rule (signal + threshold)."""
+
+    def __init__(self, k_of, stop_above=None, signal: str = "entropy"):
+        self.k_of, self.stop_above, self.signal = k_of, stop_above, signal
+
+    def __call__(self, features: dict) -> int:
+        return clamp_k(self.k_of(features))
+
+
 def load_estimator(path: str):
     """Estimator file -> callable(features) -> k. Raises ValueError with a clear message when malformed."""
     file = Path(path)
@@ -81,13 +106,16 @@ def load_estimator(path: str):
         spec.loader.exec_module(module)
         if not callable(getattr(module, "draft_length", None)):
             raise ValueError(f"draft estimator {path!r} defines no draft_length(features) function")
-        return lambda features: clamp_k(module.draft_length(features))
+        signal = getattr(module, "STOP_SIGNAL", "entropy")
+        if signal not in STOP_SIGNALS:
+            raise ValueError(f"draft estimator {path!r}: STOP_SIGNAL must be one of {STOP_SIGNALS}, got {signal!r}")
+        return FileEstimator(module.draft_length, getattr(module, "stop_above", None), signal)
     try:
         spec = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"draft estimator {path!r} is not valid JSON ({exc})") from None
     if isinstance(spec, dict) and "k_table" in spec:
-        return _table_estimator(path, spec)
+        return FileEstimator(_table_estimator(path, spec), *_stop_rule(path, spec.get("stop_rule")))
     try:
         feature, buckets = spec["feature"], spec["buckets"]
         bounds = [(float(b["below"]) if "below" in b else float("inf"), clamp_k(b["k"])) for b in buckets]
@@ -100,7 +128,22 @@ def load_estimator(path: str):
         value = feature_value(features, feature)
         return next((k for below, k in bounds if value < below), bounds[-1][1])
 
-    return estimate
+    return FileEstimator(estimate)
+
+
+def _stop_rule(path: str, rule: dict | None) -> tuple:
+    """estimator.json's stop_rule -> (stop_above(features), signal); (None, "entropy") without one."""
+    if rule is None:
+        return None, "entropy"
+    try:
+        rule = {"signal": rule["signal"], "temperature_edges": [float(t) for t in rule["temperature_edges"]],
+                "thresholds": [None if t is None else float(t) for t in rule["thresholds"]]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"draft estimator {path!r}: stop_rule is not valid ({exc})") from None
+    if rule["signal"] not in STOP_SIGNALS or len(rule["thresholds"]) != len(rule["temperature_edges"]) + 1:
+        raise ValueError(f"draft estimator {path!r}: stop_rule needs signal one of {STOP_SIGNALS} and one "
+                         "threshold per temperature band")
+    return (lambda features: stop_threshold(rule, features["temperature"])), rule["signal"]
 
 
 def feature_value(features: dict, name: str) -> float:
@@ -135,6 +178,23 @@ class DraftPolicy:
 
     def first_k(self, features: dict) -> int:
         return self.estimator(features) if self.name == "estimator" else self.draft_length
+
+    def stop_above(self, features: dict) -> float | None:
+        """The request's draft stop threshold: the estimator's, for its temperature; None: no stopping."""
+        rule = self.estimator.stop_above if self.name == "estimator" else None
+        return rule(features) if rule else None
+
+    @property
+    def stop_signal(self) -> str:
+        return self.estimator.signal if self.estimator else "entropy"
+
+    def step_fields(self, stop_above: list[float | None], traced: list[bool], target_signals: list | None) -> dict:
+        """StepInput's stop-rule fields for a batch: per row its threshold (None: never), whether it is
+        traced, and (for the n-gram drafter) the target's signals of its previous step."""
+        rule = any(a is not None for a in stop_above)
+        return {"stop_above": [math.inf if a is None else a for a in stop_above] if rule else None,
+                "stop_signal": self.stop_signal, "trace": any(traced),
+                "target_signals": target_signals if target_signals is not None and (rule or any(traced)) else None}
 
     def next_k(self, k: int, proposed: int, accepted: int) -> int:
         if self.name != "adaptive" or not proposed:

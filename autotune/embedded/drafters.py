@@ -1,9 +1,10 @@
 """Drafters: who proposes the k tokens a speculative step verifies.
 
-propose(step) -> (drafts [B, K] long, draft_probs [B, K, V] | None, proposed per row), with K the
-longest row's k; a row's proposal is drafts[b, :proposed[b]] (the rest is padding the target never
-accepts). draft_probs are the laws the proposals were drawn from, for rejection sampling; None
-means deterministic (one-hot) proposals.
+propose(step) -> (drafts [B, K] long, draft_probs [B, K, V] | None, proposed per row, signals [B, K, 2] |
+None), with K the longest row's proposal; a row's proposal is drafts[b, :proposed[b]] (the rest is padding
+the target never accepts). draft_probs are the laws the proposals were drawn from, for rejection sampling;
+None means deterministic (one-hot) proposals. signals (entropy, top-1 probability per proposed token, only
+when step.trace) are what the stop rule reads (generate.py), for the estimator's fit.
 
 - none: no proposals (plain decoding: one token per target pass).
 - ngram: prompt lookup. The newest n tokens (n = ngram_max down to ngram_min) are searched in the
@@ -17,13 +18,13 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from autotune.embedded.generate import StepInput
+from autotune.embedded.generate import StepInput, risk_of, signals_of
 from autotune.embedded.sampling import draw, exponential_noise
 
 
 def _empty(step: StepInput):
     return torch.empty((len(step.draft_lengths), 0), dtype=torch.long, device=step.last_tokens.device), None, [
-        0] * len(step.draft_lengths)
+        0] * len(step.draft_lengths), None
 
 
 class NoDrafter:
@@ -50,9 +51,15 @@ class NgramDrafter(NoDrafter):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose(self, step: StepInput):
+        ks = list(step.draft_lengths)
+        # No distribution of its own: the stop rule reads the target's at the last accepted position.
+        prior = [s or (0.0, 1.0) for s in step.target_signals or [None] * len(ks)]
+        if step.stop_above is not None:
+            risks = risk_of(torch.tensor(prior), step.stop_signal).tolist()
+            ks = [0 if risk > above else k for k, risk, above in zip(ks, risks, step.stop_above)]
         found = [
             ngram_lookup(history, k, self.ngram_min, self.ngram_max) if k else history[:0]
-            for history, k in zip(step.histories, step.draft_lengths)
+            for history, k in zip(step.histories, ks)
         ]
         width = max(len(f) for f in found)
         if not width:
@@ -61,7 +68,8 @@ class NgramDrafter(NoDrafter):
         for row, tokens in enumerate(found):
             padded[row, : len(tokens)] = tokens
         drafts = torch.from_numpy(padded).to(step.last_tokens.device, non_blocking=True)
-        return drafts, None, [len(f) for f in found]
+        signals = torch.tensor(prior)[:, None].expand(-1, width, -1) if step.trace else None
+        return drafts, None, [len(f) for f in found], signals
 
 
 class ModelDrafter(NoDrafter):
@@ -91,9 +99,19 @@ class ModelDrafter(NoDrafter):
             input_ids = torch.stack([before, step.last_tokens], 1)
             input_pos = torch.stack([(step.positions - 1).clamp_min(0), step.positions], 1)
         temperature = torch.where(sampling.greedy, 1.0, sampling.temperature)[:, None]
+        lengths = torch.tensor(step.draft_lengths, device=device)
+        proposed, signals = lengths, []
+        stop_above = None if step.stop_above is None else torch.tensor(step.stop_above, device=device)
         drafts, laws = [], []
         for j in range(k):
             logits = self.forward(input_ids, input_pos, step.rows, step.kv_len)[:, -1]
+            if stop_above is not None or step.trace:
+                signals.append(signals_of(logits))
+            if stop_above is not None:  # a row stops before its first too-uncertain token
+                stopping = (proposed > j) & (risk_of(signals[-1], step.stop_signal) > stop_above)
+                proposed = torch.where(stopping, j, proposed)
+                if not (proposed > j).any():  # no row proposes this token
+                    break
             if sampling.any_sampled:
                 law = torch.softmax(logits.float() / temperature, dim=-1)
                 token = draw(law, exponential_noise(law.shape[-1:], sampling.generators, device))
@@ -102,6 +120,12 @@ class ModelDrafter(NoDrafter):
             else:
                 token = logits.argmax(-1)
             drafts.append(token)
+            if stop_above is not None and not (proposed > j + 1).any():  # no row needs another draft pass
+                break
             input_ids, input_pos = token[:, None], step.positions[:, None] + j + 1
-        proposed = list(step.draft_lengths)
-        return torch.stack(drafts, 1), torch.stack(laws, 1) if laws else None, proposed
+        proposed = proposed.tolist()
+        width = max(proposed)  # the verify pass is only as wide as the longest proposal left
+        if not width:
+            return _empty(step)
+        return (torch.stack(drafts, 1)[:, :width], torch.stack(laws, 1)[:, :width] if laws else None, proposed,
+                torch.stack(signals, 1)[:, :width] if step.trace else None)

@@ -10,6 +10,12 @@ Temperature 0 accepts a proposal iff it equals the target's argmax, so the outpu
 own greedy output. Temperature > 0 uses rejection sampling (Leviathan et al., 2023): accept x ~ q
 with probability min(1, p(x) / q(x)); at the first rejection draw from norm(max(p - q, 0)); after
 k acceptances draw from p. The emitted tokens are then distributed exactly as sampling from p.
+
+Draft stopping (the fitted estimator's rule): a model drafter stops proposing at the first token whose
+draft distribution is too uncertain (its risk, the entropy or 1 - top-1 probability of softmax(draft
+logits), above the row's threshold; that token is not proposed). The n-gram drafter has no distribution
+of its own: it proposes nothing when the target's risk at the last accepted position is above it. A
+stop depends on the draft side only, so greedy output and the sampled distribution stay exact.
 """
 import time
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ from autotune.embedded.sampling import (
 )
 
 ENTROPY_POSITIONS = 32  # prompt entropy = mean next-token entropy over this many leading prompt positions
+STOP_SIGNALS = ("entropy", "doubt")  # a stop rule's risk: entropy (nats), or doubt = 1 - top-1 probability
 
 
 @dataclass
@@ -40,6 +47,10 @@ class StepInput:
     draft_lengths: list[int]  # k per row; 0 = plain decode
     kv_len: int  # attended cache length: covers every row's position + K
     sampling: SamplingBatch
+    stop_above: list[float] | None = None  # per row: the risk above which drafting stops (inf: never); None: no rule
+    stop_signal: str = "entropy"  # which risk (STOP_SIGNALS)
+    trace: bool = False  # return each proposed token's signals (what `autotune estimator fit` collects)
+    target_signals: list[tuple[float, float] | None] | None = None  # n-gram: the previous step's target_signals
 
 
 @dataclass
@@ -49,6 +60,20 @@ class StepOutput:
     accepted: list[int]
     draft_seconds: float
     verify_seconds: float
+    signals: list[list[tuple[float, float]]] | None = None  # per row, per proposed token: (entropy, top-1 prob)
+    target_signals: list[tuple[float, float]] | None = None  # per row: (entropy, top-1) of the target's last law
+
+
+def signals_of(logits: Tensor) -> Tensor:
+    """[..., V] logits -> [..., 2]: entropy (nats) and top-1 probability of softmax(logits), temperature 1."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return torch.stack([-(p * logp).sum(-1), p.amax(-1)], -1)
+
+
+def risk_of(signals: Tensor, signal: str) -> Tensor:
+    """[..., 2] signals -> [...] the stop rule's risk: entropy, or doubt = 1 - top-1 probability."""
+    return signals[..., 0] if signal == "entropy" else 1 - signals[..., 1]
 
 
 def leading_true(ok: Tensor) -> Tensor:
@@ -100,7 +125,7 @@ def accept(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, proposed:
 def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
     """verify(input_ids, input_pos, rows, kv_len) -> logits is the target; drafter proposes (drafters.py)."""
     start = time.perf_counter()
-    drafts, draft_probs, proposed = drafter.propose(step)
+    drafts, draft_probs, proposed, signals = drafter.propose(step)
     drafted = time.perf_counter()
     k = drafts.shape[1]
     input_ids = torch.cat([step.last_tokens[:, None], drafts], 1)
@@ -109,6 +134,10 @@ def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
     proposed_t = torch.tensor(proposed, device=drafts.device)
     tokens, accepted = accept(logits, drafts, draft_probs, proposed_t, step.sampling)
     host = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the step's one host sync
+    target_signals = None
+    if step.target_signals is not None:  # n-gram stopping reads the law the target's own token came from
+        rows = torch.arange(len(proposed), device=logits.device)
+        target_signals = [tuple(s) for s in signals_of(logits[rows, accepted]).tolist()]
     done = time.perf_counter()
     return StepOutput(
         tokens=[row[: row[-1] + 1] for row in host],
@@ -116,6 +145,8 @@ def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
         accepted=[row[-1] for row in host],
         draft_seconds=drafted - start,
         verify_seconds=done - drafted,
+        signals=None if signals is None else [[tuple(s) for s in row[:n]] for row, n in zip(signals.tolist(), proposed)],
+        target_signals=target_signals,
     )
 
 

@@ -7,8 +7,9 @@ this server's model or empty), `max_tokens` (or `max_completion_tokens`, which w
 given), `temperature` [0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10],
 `stop` (string or list; matched on the detokenized text, which is cut before it), `seed`, `ignore_eos`
 (vLLM/SGLang extension), `n` and `best_of` (1 only), `stream`, `stream_options` (only with stream:
-`include_usage`; `continuous_usage_stats` is accepted and ignored), and the extension `draft_length`
-(per-request k, 0..MAX_DRAFT_LENGTH). Numbers must be finite JSON numbers of the right kind: a string,
+`include_usage`; `continuous_usage_stats` is accepted and ignored), and the extensions `draft_length`
+(per-request k, 0..MAX_DRAFT_LENGTH; it turns the estimator's stop rule off) and `draft_trace` (a boolean:
+usage then carries spec_draft_trace). Numbers must be finite JSON numbers of the right kind: a string,
 a boolean or 16.0 where an integer is required is refused.
 
 The context, as vLLM does it: a request whose prompt plus max_tokens exceeds the context is refused with
@@ -38,6 +39,8 @@ harness and the tuner read:
                         is accepted / (accepted + rejections))
   spec_draft_seconds    time spent drafting in this request's steps (a batched step counts whole)
   spec_verify_seconds   time spent in the target's verify passes of this request's steps
+  spec_draft_trace      with draft_trace only: per verify step [entropies, top-1 probabilities, accepted] of
+                        its proposed tokens (the draft's laws; n-gram: the target's at the last accepted token)
 """
 import functools
 import json
@@ -68,7 +71,7 @@ UNSUPPORTED = {
 }
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
          "repetition_penalty", "stop", "seed", "ignore_eos", "n", "best_of", "stream", "stream_options",
-         "draft_length", *UNSUPPORTED}
+         "draft_length", "draft_trace", *UNSUPPORTED}
 
 
 class BadRequest(Exception):
@@ -254,6 +257,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         ignore_eos=_flag(body, "ignore_eos"),
         seed=_number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True),  # torch takes int64
         draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),
+        draft_trace=_flag(body, "draft_trace"),
     )
     stop = _stop_strings(body)
 
@@ -322,6 +326,7 @@ def usage(prompt_tokens: int, completion_tokens: int, final: GenerationEvent) ->
         "spec_rejections": spec.rejections if spec else 0,
         "spec_draft_seconds": round(spec.draft_seconds, 6) if spec else 0.0,
         "spec_verify_seconds": round(spec.verify_seconds, 6) if spec else 0.0,
+        **({"spec_draft_trace": spec.trace} if spec and spec.trace else {}),
     }
 
 

@@ -54,6 +54,8 @@ class Sequence:
         self.entropy_sum: torch.Tensor | float = 0.0
         self.prompt_entropy: float | None = None
         self.k = 0
+        self.stop_above: float | None = None  # the draft stop threshold (draft_policy.py); None: never stop
+        self.target_signals: tuple[float, float] | None = None  # the last step's, for n-gram stopping
         self.completion = 0
         self.spec = SpecStats()
 
@@ -287,6 +289,7 @@ class Engine:
                         prompt_chars=len(seq.request.prompt_text), temperature=seq.params.temperature,
                         top_p=seq.params.top_p, prompt_text=seq.request.prompt_text)
         seq.k = override if override is not None else self.policy.first_k(features)
+        seq.stop_above = self.policy.stop_above(features) if override is None else None
         if type(self.drafter) is NoDrafter:
             seq.k = 0
 
@@ -306,13 +309,20 @@ class Engine:
             histories=[s.tokens[: s.length] for s in batch], draft_lengths=ks,
             kv_len=_bucket(max(positions) + max(ks) + 1, self.target.cache.max_len),
             sampling=self._sampling(batch, ints[:, 3], floats),
+            **policy.step_fields([s.stop_above for s in batch], [s.params.draft_trace for s in batch],
+                                 [s.target_signals for s in batch] if isinstance(self.drafter, NgramDrafter) else None),
         )
         out = speculative_step(self.target, self.drafter, step)
         with self._lock:
             self._totals["draft_seconds_total"] += out.draft_seconds
             self._totals["verify_seconds_total"] += out.verify_seconds
-        for seq, tokens, proposed, accepted in zip(batch, out.tokens, out.proposed, out.accepted):
+        for row, (seq, tokens, proposed, accepted) in enumerate(zip(batch, out.tokens, out.proposed, out.accepted)):
             spec = seq.spec
+            if out.target_signals:
+                seq.target_signals = out.target_signals[row]
+            if seq.params.draft_trace and out.signals is not None:
+                signals = out.signals[row]
+                spec.trace.append([[round(e, 4) for e, _ in signals], [round(p, 4) for _, p in signals], accepted])
             spec.verify_steps += 1
             spec.draft_tokens += proposed
             spec.accepted_tokens += accepted

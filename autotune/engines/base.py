@@ -297,9 +297,13 @@ class EngineAdapter:
         """`config` read into the engine-neutral Knobs the memory and speed model use."""
         raise NotImplementedError(f"the {self.name} adapter has no memory and speed model")
 
-    def default_memory_fraction(self, tp: int) -> float:
-        """The share of a GPU the engine takes when the config sets none."""
+    def default_memory_fraction(self, tp: int, gpu_mib: float | None = None, config: dict | None = None) -> float:
+        """The share of a GPU (of gpu_mib MiB) the engine takes when `config` sets none."""
         return 0.9
+
+    def default_batch_tokens(self, gpu_mib: float, tp: int) -> int | None:
+        """Tokens of the largest prefill chunk the engine picks on a GPU of gpu_mib MiB (None: not GPU-dependent)."""
+        return None
 
     def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None:
         """What the engine is told to load for a model preset (`given` is its name, not a path): the

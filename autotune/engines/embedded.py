@@ -122,12 +122,15 @@ class EmbeddedAdapter(EngineAdapter):
         steps = int(c.get("draft_length", 4)) if drafter else 0
         sizes = c.get("cuda_graph_batch_sizes") or []
         graphs = bool(sizes) and on_gpu
-        # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too
+        # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too, and on a
+        # GPU each of a layer's 4 linear layers (wqkv, wo, w13, w2) casts its int8 weight to the activation
+        # dtype in a kernel of its own before the GEMM (embedded/quantize.py: Int8Linear.forward)
+        int8_casts = 4 if on_gpu and c.get("quantization") == "int8" else 0
         return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
                           verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
                           mem_fraction=None,
                           max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
-                          cuda_context=graphs, quantized_head=True)
+                          cuda_context=graphs, quantized_head=True, extra_layer_kernels=int8_casts)
 
     def preset_model(self, preset, hub_repo, given):
         """Local files only: the bundled GGUF for its preset (None = the engine's default), else as given."""

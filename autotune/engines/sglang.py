@@ -16,8 +16,24 @@ ALGORITHMS = (*EAGLE_FAMILY, "NGRAM", "DFLASH")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
 TREE_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")  # EAGLE topk > 1 with page_size > 1
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
-DEFAULT_MEM_FRACTION = {1: 0.88, 2: 0.87, 4: 0.85, 8: 0.81}  # by tp size
+# DFLASH without --speculative-num-draft-tokens takes the draft config's block_size, else 16
+# (sglang/srt/arg_groups/speculative_hook.py, _handle_dflash: `inferred_block_size = 16`).
+DFLASH_DEFAULT_BLOCK = 16
+# Every speculative algorithm resets an unset max_running_requests to 48 (_handle_eagle_family,
+# _handle_dflash: "Max running requests is reset to 48 for speculative decoding").
+SPEC_MAX_RUNNING = 48
 SPEC_SHAPE = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+# sglang/srt/arg_groups/memory_hook.py (handle_gpu_memory_settings), by GPU memory in MiB: the upper bound
+# of each band, (chunked_prefill_size, decode CUDA-graph max batch for tp < 4, for tp >= 4).
+MEMORY_BANDS = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024, 4096, 32, 160),
+                (90 * 1024, 8192, 256, 512), (160 * 1024, 8192, 256, 512), (float("inf"), 16384, 512, 512))
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Token counts SGLang captures prefill graphs for (cuda_graph_hook.generate_prefill_cuda_graph_batch_sizes)."""
+    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+             *range(1280, 4097, 256), *range(4608, max_tokens + 1, 512)]
+    return [s for s in sizes if s <= max_tokens]
 
 
 def _dp_attention(c: dict) -> bool:
@@ -38,11 +54,12 @@ class SGLangAdapter(EngineAdapter):
     spec_gauges = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
     tp_key = "tp_size"
     modelled = ("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
-                "speculative_eagle_topk", "speculative_num_draft_tokens")
+                "speculative_eagle_topk", "speculative_num_draft_tokens", "mem_fraction_static")
     # mem_fraction_static x total memory holds the weights and the KV pool; the rest is left for
     # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
     memory_pool = "static_fraction"
     graph_max_bs_default = 256
+    needs_draft_model = {"speculative_algorithm": NEEDS_DRAFT_MODEL}
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, env = dict(config), {}
@@ -113,15 +130,45 @@ class SGLangAdapter(EngineAdapter):
                 c[key] = sorted(set(c[key]))
         return c
 
-    def default_memory_fraction(self, tp):
-        """mem_fraction_static when unset: SGLang picks it by TP size (its 0.4.x rule, server_args.py)."""
-        return DEFAULT_MEM_FRACTION.get(tp, 0.81)
+    @staticmethod
+    def memory_band(gpu_mib: float, tp: int) -> tuple[int, int]:
+        """(chunked_prefill_size, decode CUDA-graph max batch) SGLang picks for a GPU of gpu_mib MiB."""
+        for top, chunk, small_tp, large_tp in MEMORY_BANDS:
+            if gpu_mib < top:
+                return chunk, small_tp if tp < 4 else large_tp
+        raise AssertionError("the last band is unbounded")
+
+    def default_batch_tokens(self, gpu_mib, tp):
+        return self.memory_band(gpu_mib, tp)[0]
+
+    def default_memory_fraction(self, tp, gpu_mib=None, config=None):
+        """mem_fraction_static when unset, as SGLang 0.5.23 resolves it (memory_hook.py,
+        handle_gpu_memory_settings): (gpu_mem - reserved) / gpu_mem in MiB, reserved = 512 + 1.5 x
+        max(chunked_prefill_size, 2048) + tp/8 x 1024 + the graph reserve (reserve_for_graph_mb: 2 per
+        decode batch size up to the max, 8 per prefill-graph token size: breakable prefill graphs are on
+        by default on CUDA), at least 10 GiB on a GPU above 60 GiB; rounded to 3 decimals."""
+        if not gpu_mib:
+            return 0.88  # no GPU size: SGLang's value for a 1-GPU H100
+        c = settings(config or {})
+        band_chunk, band_bs = self.memory_band(gpu_mib, tp)
+        chunk = c.get("chunked_prefill_size") or band_chunk
+        decode_bs = max(c["cuda_graph_bs_decode"]) if c.get("cuda_graph_bs_decode") else (
+            c.get("cuda_graph_max_bs_decode") or band_bs)
+        if c.get("max_running_requests"):
+            decode_bs = min(decode_bs, c["max_running_requests"])
+        prefill_sizes = prefill_graph_sizes(min(8192, chunk) if chunk > 0 else 8192)
+        reserved = 512 + max(chunk, 2048) * 1.5 + tp / 8 * 1024 + decode_bs * 2 + len(prefill_sizes) * 8
+        if gpu_mib > 60 * 1024:
+            reserved = max(reserved, 10 * 1024)
+        return round((gpu_mib - reserved) / gpu_mib, 3)
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
         drafter = FAMILIES.get(c.get("speculative_algorithm"))
         steps, topk, verify = 0, 1, 1
-        if drafter:  # effective()'s rewrites: topk 1 runs steps+1 tokens; NGRAM's steps follow its tokens
+        if drafter == "dflash":  # one parallel pass drafts a block; the target verifies the block
+            steps, verify = 1, int(c.get("speculative_num_draft_tokens", DFLASH_DEFAULT_BLOCK))
+        elif drafter:  # effective()'s rewrites: topk 1 runs steps+1 tokens; NGRAM's steps follow its tokens
             steps = int(c.get("speculative_num_steps", 3))
             topk = int(c.get("speculative_eagle_topk", 1))
             default_tokens = NGRAM_DEFAULT_DRAFT_TOKENS if drafter == "lookup" else steps + 1
@@ -134,5 +181,6 @@ class SGLangAdapter(EngineAdapter):
         # CUDA graphs are on unless --disable-cuda-graph, which the space does not offer
         return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps, topk=topk,
                           verify_tokens=verify, cuda_graphs=True, graph_max_bs=graph_max or self.graph_max_bs_default,
-                          mem_fraction=c.get("mem_fraction_static"), max_running=c.get("max_running_requests"),
-                          max_batch_tokens=c.get("chunked_prefill_size"))
+                          mem_fraction=c.get("mem_fraction_static"),
+                          max_running=c.get("max_running_requests", SPEC_MAX_RUNNING if drafter else None),
+                          max_batch_tokens=c.get("chunked_prefill_size"), block_size=c.get("page_size"))

@@ -3,7 +3,7 @@ and the settings it would actually run (read from vllm/config/{speculative,sched
 
 Config keys are vLLM's option names (`max_num_seqs`, `cudagraph_capture_sizes`, ...), except the
 speculative ones, which are keys of its `--speculative-config` JSON: `speculative_method`
-(none | ngram | draft_model | eagle | eagle3 | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
+(none | ngram | draft_model | eagle | eagle3 | dflash | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
 `prompt_lookup_max`. Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`:
 vLLM picks Marlin by itself on Ampere, where it is the only FP8 path).
 """
@@ -13,9 +13,13 @@ from autotune.engines.base import EngineAdapter, config_args, load_schema
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "dflash", "mtp")
+NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
 NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
+# KV block size on CUDA when --block-size is unset (vllm/platforms/cuda.py sets 16; a hybrid model's
+# attention blocks grow until a page holds one recurrent state: predict/memory.py).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vllm/config/cache.py: gpu_memory_utilization
 
 
 class VLLMAdapter(EngineAdapter):
@@ -30,11 +34,13 @@ class VLLMAdapter(EngineAdapter):
     spec_counters = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                      "vllm:spec_decode_num_accepted_tokens_total")
     tp_key = "tensor_parallel_size"
-    modelled = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens")
+    modelled = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens",
+                "gpu_memory_utilization")
     # gpu_memory_utilization (default 0.9) x total memory is everything the instance may use; the KV
     # cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
     memory_pool = "utilization"
     graph_max_bs_default = 512
+    needs_draft_model = {"speculative_method": NEEDS_DRAFT_MODEL}
 
     def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
         method = config.get("speculative_method")
@@ -68,7 +74,7 @@ class VLLMAdapter(EngineAdapter):
         out = []
         if method != "none" and method not in METHODS:
             out.append(f"speculative_method {method!r} is not one of {', '.join(METHODS)}")
-        if method in ("ngram", "draft_model", "eagle", "eagle3") and not c.get("num_speculative_tokens"):
+        if method in ("ngram", *NEEDS_DRAFT_MODEL) and not c.get("num_speculative_tokens"):
             out.append(f"speculative method {method} needs num_speculative_tokens >= 1")
         if method == "ngram" and c.get("prompt_lookup_min", 0) > c.get("prompt_lookup_max", 10**9):
             out.append(f"prompt_lookup_min {c['prompt_lookup_min']} must be <= prompt_lookup_max {c['prompt_lookup_max']}")
@@ -109,11 +115,17 @@ class VLLMAdapter(EngineAdapter):
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
         drafter = FAMILIES.get(c.get("speculative_method"))
-        steps = int(c.get("num_speculative_tokens", 3)) if drafter else 0
+        tokens = int(c.get("num_speculative_tokens", 1 if drafter == "mtp" else 3)) if drafter else 0
+        # dflash drafts the whole block in one parallel pass (SpeculativeConfig: parallel_drafting)
+        steps = 1 if drafter == "dflash" else tokens
         sizes = c.get("cudagraph_capture_sizes")
         graph_max = max(sizes) if sizes else c.get("max_cudagraph_capture_size")
         return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
-                          verify_tokens=steps + 1, cuda_graphs=not c.get("enforce_eager", False),
+                          verify_tokens=tokens + 1, cuda_graphs=not c.get("enforce_eager", False),
                           graph_max_bs=graph_max or self.graph_max_bs_default,
                           mem_fraction=c.get("gpu_memory_utilization"), max_running=c.get("max_num_seqs"),
-                          max_batch_tokens=c.get("max_num_batched_tokens"))
+                          max_batch_tokens=c.get("max_num_batched_tokens"),
+                          block_size=c.get("block_size") or DEFAULT_BLOCK_SIZE)
+
+    def default_memory_fraction(self, tp, gpu_mib=None, config=None):
+        return DEFAULT_GPU_MEMORY_UTILIZATION

@@ -49,7 +49,8 @@ def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetiti
     interleaved, so `limit` takes from each; `start` skips that many, to extend an earlier pass) at
     temperatures round robin, each prompt run at every k in `ks` back to back in rotating order (paired: the
     same prompt at each k, minutes apart at most), one at a time on a fresh server. k = 0 rows (no
-    speculation) anchor the cost model's step without proposals."""
+    speculation) anchor the cost model's step without proposals. Every request is traced (each proposed
+    token's draft entropy, top-1 probability and acceptance: the stop rule's data, stop.py)."""
     held_out = load_workload(exclude).requests if exclude else []
     per_workload = [requests_of([name], exclude=held_out, max_tokens=max_tokens) for name in workloads]
     todo = [r for group in zip_longest(*per_workload) for r in group if r is not None]
@@ -65,7 +66,8 @@ def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetiti
             text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
             turn = i % len(ks)
             for k in ks[turn:] + ks[:turn]:
-                usage = send(client, server.base_url, request, draft_length=k)
+                usage = send(client, server.base_url, request, draft_length=k, draft_trace=True)
+                usage["spec_draft_trace"] = json.dumps(usage.get("spec_draft_trace", []))  # parquet-safe
                 rows.append({**usage, "text": text, "temperature": request["temperature"],
                              "top_p": request.get("top_p", 1.0), "k": k, "prompt_index": i})
                 bar.advance(task)

@@ -8,6 +8,10 @@ Cells with fewer than MIN_TRIALS Bernoulli trials borrow alpha from their bucket
 from all data. Features: the engine's prompt_entropy and the model-free compression_ratio and
 unigram_entropy; the one whose value ranks per-request alpha best (|Spearman|) is chosen, and the
 best model-free one is fitted too as the fallback the standalone module uses.
+
+With traced proposals (a collection pass with draft_trace: model drafters, or n-gram with the target's
+signals), stop.py fits the runtime stop rule (threshold per temperature band) and replaces each table's
+k with the cap of the highest replayed tokens per second under that rule.
 """
 import json
 import math
@@ -19,8 +23,10 @@ import pandas as pd
 
 from autotune.embedded.draft_policy import TEXT_FEATURES, table_k
 from autotune.estimator.cost import draft_cost, step_costs
+from autotune.estimator.engine_settings import engine_settings
 from autotune.estimator.model import alpha_mle, best_k, expected_speedup, rejections_from_moments
 from autotune.estimator.standalone import standalone_module
+from autotune.estimator.stop import fit_stop, trace_of
 
 ENGINE_FEATURE = "prompt_entropy"
 CANDIDATES = (ENGINE_FEATURE, *TEXT_FEATURES)
@@ -144,7 +150,8 @@ class Estimator:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "estimator.json").write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
-        (out / "draft_length_estimator.py").write_text(standalone_module(asdict(self.fallback), self.primary.feature, self.c))
+        (out / "draft_length_estimator.py").write_text(
+            standalone_module(asdict(self.fallback), self.primary.feature, self.c, self.info.get("stop_rule")))
         return out / "estimator.json"
 
 
@@ -169,6 +176,7 @@ def fit(rows: pd.DataFrame, *, c: float | None = None, max_k: int | None = None,
     primary = max(usable, key=lambda n: rank[n])
     fallback = max(TEXT_FEATURES, key=lambda n: rank[n])
     tables = {n: fit_table(frame, n, cost["c"], max_k, step_cost) for n in {primary, fallback}}
+    stop = fit_stop_rule(frame, tables) if traced(frame) else {}
     data_cols = ["text", "temperature", "top_p", *CANDIDATES, *COUNTS, "spec_rejections", "alpha",
                  *[col for col in ("k", "spec_draft_seconds", "spec_verify_seconds") if col in frame]]
     info = {**{k: v for k, v in cost.items() if k != "c"}, "max_k": max_k,
@@ -178,5 +186,26 @@ def fit(rows: pd.DataFrame, *, c: float | None = None, max_k: int | None = None,
             "fallback_feature": fallback, "source": source, "requests": len(frame),
             "rejections_from": "estimated from accepts per step (the rows lack spec_rejections)"
             if frame.get("rejections_estimated", pd.Series([False])).any() else "counted by the engine",
-            "data": json.loads(frame[data_cols].to_json(orient="records"))}
+            "data": json.loads(frame[data_cols].to_json(orient="records")), **stop}
     return Estimator(tables[primary], tables[fallback], cost["c"], info)
+
+
+def traced(frame: pd.DataFrame) -> bool:
+    return "spec_draft_trace" in frame and bool(frame["spec_draft_trace"].map(lambda t: len(trace_of(t)) > 0).any())
+
+
+def fit_stop_rule(frame: pd.DataFrame, tables: dict[str, Table]) -> dict:
+    """The stop rule (stop.py) on traced rows; each table's k becomes the fitted cap under it. Returns
+    estimator.json's stop_rule, width_costs and engine_settings keys."""
+    frame = frame.reset_index(drop=True)
+    band = np.searchsorted(TEMPERATURE_EDGES, frame["temperature"], side="left")
+    buckets = {n: np.searchsorted(t.thresholds, frame[n].astype(float), side="right") for n, t in tables.items()}
+    rule, caps, costs = fit_stop(frame, band, buckets, list(TEMPERATURE_EDGES))
+    for name, table in tables.items():
+        for b, row in enumerate(caps[name]):
+            table.k_table[b] = row + table.k_table[b][len(row):]  # a bucket no request fell in keeps its k
+        for cell in table.buckets:
+            cell["k"] = table.k_table[cell["band"]][cell["bucket"]]
+            cell["k_from"] = "replayed steps under the stop rule"
+    costs["verify"] = {str(w): c for w, c in costs["verify"].items()}
+    return {"stop_rule": rule, "width_costs": costs, "engine_settings": engine_settings(rule, tables)}

@@ -31,6 +31,9 @@ class Profile:
     # name_patterns (regexes), memory_gib [lo, hi], power_limit_w [lo, hi]; None: never matched automatically
     match: dict | None
     also_see: str | None = None
+    # per-kernel cost in microseconds: {graph: a small kernel's floor inside a CUDA graph, eager: its
+    # launch from eager PyTorch} (the speed model's priors: autotune/predict/speed.py); None: CPU
+    kernel_us: dict | None = None
 
     @property
     def is_gpu(self) -> bool:

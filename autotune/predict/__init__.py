@@ -11,10 +11,10 @@ This package never imports the engines: the caller passes the adapter (what it r
 """
 from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
 from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory
-from autotune.predict.models import ModelSpec, load_model, presets
+from autotune.predict.models import ModelSpec, draft_kind, load_model, presets
 from autotune.predict.rank import Prediction, launch_command, rank_configs
 from autotune.predict.speed import ALPHA_PRIORS, Coefficients, SpeedEstimate, expected_tokens, predict_speed
 
 __all__ = ["ALPHA_PRIORS", "Calibration", "Coefficients", "MemoryEstimate", "ModelSpec", "Prediction", "SpeedEstimate",
-           "estimate_memory", "expected_tokens", "launch_command", "load_model", "predict_memory", "predict_speed",
+           "draft_kind", "estimate_memory", "expected_tokens", "launch_command", "load_model", "predict_memory", "predict_speed",
            "predict_trial", "presets", "rank_configs", "trial_from_metrics"]

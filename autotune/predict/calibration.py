@@ -6,9 +6,11 @@ prefill included) with "prompt_tokens", "output_tokens", "num_requests"; optiona
 (tokens per verify step as the engine reports it) and "context_len"}. `trial_from_metrics` builds one
 from a study trial's config and its bench summary.
 
-Fit: least squares on log time over the four Coefficients, with a weak pull (ridge in log space)
-towards the priors so that a handful of trials cannot send an unconstrained term anywhere; a coarse
-log grid refined three times (numpy only). Alpha per drafter family: the median of the alphas that
+Fit: least squares on log time over the five Coefficients (bytes, FLOPs, per-step overhead, per-kernel
+floor, per-kernel eager launch), with a weak pull (ridge in log space) towards the priors so that a
+handful of trials cannot send an unconstrained term anywhere; a coarse log grid refined three times
+(numpy only). The study refits after its first measured trials (autotune/study/loop.py), so a small
+model's kernel-bound steps replace the byte-bound priors before the predicted seeds are chosen. Alpha per drafter family: the median of the alphas that
 reproduce each trial's measured accept length.
 """
 from __future__ import annotations
@@ -33,7 +35,8 @@ from autotune.predict.speed import (
     prefill_passes,
 )
 
-NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "layer_overhead_s")
+NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "kernel_s", "launch_s")
+GRID_POINTS = 9  # per coefficient and refinement: 9^5 = 59049 candidates
 RIDGE = 0.02  # weight of (log coefficient - log prior)^2 against the squared log errors
 
 
@@ -68,17 +71,26 @@ def trial_passes(trial: dict, model: ModelSpec, profile, engine: Engine, alphas:
 
 
 def _arrays(items):
-    """Per-pass arrays (count, mem, compute, comm, layers) and the trial each belongs to."""
-    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s, p.eager_layers) for i, (passes, _, _) in enumerate(items) for c, p in passes]
+    """Per-pass arrays (count, mem, compute, comm, steps, kernels, eager kernels) and the trial each belongs to."""
+    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s, p.steps, p.kernels, p.kernels if p.eager else 0)
+            for i, (passes, _, _) in enumerate(items) for c, p in _merged(passes)]
     a = np.array(rows, dtype=float)
     return a[:, 0].astype(int), a[:, 1:]
 
 
+def _merged(passes):
+    """Identical passes of one trial as one (count summed): fewer columns for the grid."""
+    out: dict = {}
+    for count, p in passes:
+        out[p] = out.get(p, 0.0) + count
+    return [(c, p) for p, c in out.items()]
+
+
 def _predicted_seconds(theta: np.ndarray, owner: np.ndarray, cols: np.ndarray, n: int) -> np.ndarray:
-    """theta (G, 4) -> seconds (G, n) per trial."""
-    count, mem, comp, comm, layers = cols.T
-    ms, cs, so, lo = (theta[:, i:i + 1] for i in range(4))
-    per_pass = count * (np.maximum(ms * mem, cs * comp) + comm + so + lo * layers)
+    """theta (G, 5) -> seconds (G, n) per trial (Pass.seconds, vectorised)."""
+    count, mem, comp, comm, steps, kernels, eager = cols.T
+    ms, cs, so, ks, ls = (theta[:, i:i + 1] for i in range(5))
+    per_pass = count * (np.maximum(np.maximum(ms * mem, cs * comp), ks * kernels) + comm + so * steps + ls * eager)
     out = np.zeros((theta.shape[0], n))
     for j in range(n):
         out[:, j] = per_pass[:, owner == j].sum(axis=1)
@@ -121,8 +133,8 @@ class Calibration:
 
         best, span = p0, 3.0  # search best * 10^[-span, span] per coefficient, then narrow around the winner
         for _ in range(4):
-            axes = [b * np.logspace(-span, span, 11) for b in best]
-            grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 4)
+            axes = [b * np.logspace(-span, span, GRID_POINTS) for b in best]
+            grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(NAMES))
             best = grid[np.argmin(loss(grid))]
             span /= 4
         coef = Coefficients(*map(float, best))

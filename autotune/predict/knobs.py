@@ -8,18 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-# Bytes per weight of the decoder's linear layers. 4-bit formats carry an fp16 scale (and zero) per
-# group of 128 weights: 0.5 + 4/128 bytes. FP8/int8 per-channel scales are negligible.
+# Bytes per weight of the decoder's linear layers. AWQ and GPTQ at group size 128 pack 4-bit weights
+# (0.5 B) with, per group of 128 weights of one output column, an fp16 scale (2 B) and a 4-bit zero
+# packed eight to an int32 (0.5 B): 0.5 + 2.5/128 bytes (the qweight/qzeros/scales tensors of an AWQ or
+# GPTQ checkpoint; Marlin repacks the same bytes). FP8/int8 per-channel scales are negligible.
+INT4_G128_BYTES = 0.5 + 2.5 / 128
 WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "auto": 2,
-                "fp8": 1, "w8a16_fp8": 1, "int8": 1, "w8a8_int8": 1, "awq": 0.53125, "gptq": 0.53125,
-                "int4": 0.53125, "awq_marlin": 0.53125, "gptq_marlin": 0.53125,
+                "fp8": 1, "w8a16_fp8": 1, "int8": 1, "w8a8_int8": 1, "awq": INT4_G128_BYTES, "gptq": INT4_G128_BYTES,
+                "int4": INT4_G128_BYTES, "awq_marlin": INT4_G128_BYTES, "gptq_marlin": INT4_G128_BYTES,
                 "gguf": 0.625}  # the embedded engine running a Q4_1 GGUF's blocks: 20 bytes per 32 weights
+# 4-bit formats are a property of the checkpoint, never converted at load time (autotune/space/constraints.py).
 # Drafters by family: eagle = a one-layer head on the target's features; mtp = the target's own extra
 # layer; draft = a separate small checkpoint; lookup = n-gram matching in the prompt (no model);
 # early_exit / quantized_self = the embedded engine's self-drafters.
+# dflash = a DFlash block drafter (one parallel pass drafts a block of tokens from the target's features).
 FAMILIES = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "STANDALONE": "draft", "NGRAM": "lookup",
-            "DFLASH": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "draft_model": "draft",
-            "ngram": "lookup", "early_exit": "early_exit", "quantized_self": "quantized_self"}
+            "DFLASH": "dflash", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "draft_model": "draft",
+            "dflash": "dflash", "ngram": "lookup", "early_exit": "early_exit", "quantized_self": "quantized_self"}
 DEFAULT_EARLY_EXIT_LAYERS = 8
 
 
@@ -44,6 +49,10 @@ class Knobs:
     cuda_context: bool = True  # the process holds a CUDA context (counted in the workspace)
     quantized_head: bool = False  # weight quantization also keeps an int8 copy of a tied embedding as the head
     threads: int | None = None  # CPU threads the config asks for (None: one per core of this machine)
+    block_size: int | None = None  # tokens per KV page (vLLM block_size, SGLang page_size; None: the engine's)
+    # kernels a forward pass launches per decoder layer beyond the engine's plain bf16 path (e.g. a
+    # dequantize kernel per linear layer where the weights are not read by a fused kernel)
+    extra_layer_kernels: int = 0
 
 
 class Engine(Protocol):
@@ -57,7 +66,9 @@ class Engine(Protocol):
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs: ...
 
-    def default_memory_fraction(self, tp: int) -> float: ...
+    def default_memory_fraction(self, tp: int, gpu_mib: float | None = None, config: dict | None = None) -> float: ...
+
+    def default_batch_tokens(self, gpu_mib: float, tp: int) -> int | None: ...
 
     def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None: ...
 
@@ -77,7 +88,8 @@ def settings(config: dict) -> dict:
 def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | None, draft_steps: int = 0,
                topk: int = 1, verify_tokens: int = 1, cuda_graphs: bool, graph_max_bs: int | None,
                mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
-               cuda_context: bool = True, quantized_head: bool = False) -> Knobs:
+               cuda_context: bool = True, quantized_head: bool = False, block_size: int | None = None,
+               extra_layer_kernels: int = 0) -> Knobs:
     """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
     engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers, threads."""
     dtype = str(c.get("dtype", "bfloat16" if on_gpu else "float32"))
@@ -89,4 +101,4 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                  verify_tokens if drafter else 1, cuda_graphs, graph_max_bs, mem_fraction, max_running,
                  max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
                  c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
-                 cuda_context, quantized_head, c.get("threads"))
+                 cuda_context, quantized_head, c.get("threads"), block_size, extra_layer_kernels)

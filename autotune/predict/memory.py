@@ -3,13 +3,18 @@
 All sizes are decimal GB (1e9 bytes), like the model cards and GPU spec sheets they are compared to.
 
 How an engine splits a GPU (what `budget` means below) is its adapter's `memory_pool`, with the
-fraction the config sets (Knobs.mem_fraction) or the adapter's `default_memory_fraction(tp)`:
-- "static_fraction" (SGLang's mem_fraction_static): the fraction x total memory holds the weights and
-  the KV pool; the rest is left for activations, CUDA graphs and the CUDA context.
-- "utilization" (vLLM's gpu_memory_utilization): the fraction x total memory is everything the
-  instance may use; the KV cache gets what the weights, the activation peak and the CUDA graphs leave.
-- "slots" (the embedded engine): a KV cache of max_running x context tokens is allocated up front;
-  everything must fit the fraction of a GPU, or the available host RAM on a CPU machine.
+fraction the config sets (Knobs.mem_fraction) or the adapter's `default_memory_fraction(tp, gpu_mib, config)`:
+- "static_fraction" (SGLang 0.5.23): the KV pool is what the weights leave of mem_fraction_static x the
+  memory free before the weights load (sglang/srt/mem_cache/kv_cache_configurator.py,
+  _profile_available_bytes: rest = free after loading - free before loading x (1 - mem_fraction_static));
+  activations, CUDA graphs and the CUDA context live in the rest. A hybrid model's recurrent states
+  take mamba_full_memory_ratio / (1 + ratio) of that pool first (_handle_max_mamba_cache).
+- "utilization" (vLLM 0.33.0): gpu_memory_utilization x total memory is everything the instance may use;
+  the KV cache gets what the weights, the profiled activation peak and the CUDA-graph estimate leave
+  (vllm/v1/worker/gpu_worker.py, determine_available_memory), in whole blocks of block_size tokens;
+  a hybrid model's states share the pool, one page per sequence and group of layers.
+- "slots" (the embedded engine, llama.cpp): a KV cache of max_running x context tokens is allocated up
+  front; everything must fit the fraction of a GPU, or the available host RAM on a CPU machine.
 """
 from __future__ import annotations
 
@@ -32,6 +37,15 @@ CUDA_GRAPH_GB = 0.5
 # and vLLM V1's max_num_batched_tokens for the API server on large GPUs are both 8192.
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MAX_RUNNING = 256  # sequences whose logits the sampler holds at once
+MIB = 2**20
+# SGLang: the state pool's share of the memory left for KV (mamba_full_memory_ratio, fallback 0.9, in
+# sglang/srt/arg_groups/fields/schedule.py); with speculation each state slot also keeps one state per
+# draft token for a third of the slots (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3).
+SGLANG_STATE_RATIO = 0.9
+SGLANG_STATE_SLOTS_PER_REQUEST = 3
+# vLLM: hybrid attention blocks are a multiple of the kernel's block alignment (16 for FlashAttention:
+# vllm/platforms/interface.py, update_block_size_for_backend).
+VLLM_BLOCK_ALIGNMENT = 16
 EAGLE3_DRAFT_VOCAB = 32000  # EAGLE-3 heads predict over a reduced vocabulary (their config: draft_vocab_size)
 UNKNOWN_DRAFT_FRACTION = 1 / 16  # a separate draft checkpoint not given: assume 1/16 of the target
 
@@ -49,10 +63,12 @@ class MemoryEstimate:
     budget_gb: float = 0.0  # what the engine lets itself use of it
     context_len: int = 0
     detail: dict = field(default_factory=dict)
+    state_sequences: int | None = None  # sequences the recurrent-state pool holds (hybrid models)
 
     def max_sequences(self, context_len: int | None = None) -> int:
-        """Sequences of `context_len` tokens the KV pool holds at once."""
-        return self.kv_tokens // max(1, context_len or self.context_len)
+        """Sequences of `context_len` tokens the KV pool (and a hybrid model's state pool) holds at once."""
+        by_kv = self.kv_tokens // max(1, context_len or self.context_len)
+        return by_kv if self.state_sequences is None else min(by_kv, self.state_sequences)
 
     def record(self) -> dict:
         """The numbers a pruned or launched trial keeps (rounded, JSON-ready)."""
@@ -69,11 +85,19 @@ def weights_bytes(model: ModelSpec, k: Knobs) -> float:
     (engines leave lm_head unquantized), except where Knobs.quantized_head (the embedded engine's int8
     keeps a quantized copy of the tied head)."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
-    linear = model.layers * model.layer_params * k.weight_bytes
+    linear = model.layers * model.layer_params * linear_weight_bytes(model, k)
     embed = model.embedding_params * dense
     if k.quantized_head and k.weight_bytes < dense and model.tied_embeddings:
         embed += model.vocab * model.hidden * k.weight_bytes  # an int8 copy of the tied head
     return (linear + embed) / k.tp
+
+
+def linear_weight_bytes(model: ModelSpec, k: Knobs) -> float:
+    """Bytes per linear-layer weight: the config's quantization, else the checkpoint's own format (an AWQ
+    checkpoint served without --quantization is read as AWQ: both engines detect it from its config)."""
+    if k.quantization is None and model.checkpoint_quant in WEIGHT_BYTES:
+        return WEIGHT_BYTES[model.checkpoint_quant]
+    return k.weight_bytes
 
 
 def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) -> float:
@@ -143,52 +167,107 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
     on_gpu = bool(profile is not None and profile.is_gpu)
     k = engine.knobs(config, on_gpu)
     context_len = context_len or engine.default_context_len
-    fraction = k.mem_fraction or engine.default_memory_fraction(k.tp)
     total = gpu_memory_gb(profile) if on_gpu else _available_ram_gb()
+    fraction = k.mem_fraction or engine.default_memory_fraction(k.tp, total * GB / MIB if on_gpu else None, config)
+    if on_gpu and k.max_batch_tokens is None:  # the chunk the engine picks for this GPU
+        k = replace(k, max_batch_tokens=engine.default_batch_tokens(total * GB / MIB, k.tp))
     w = weights_bytes(model, k)
     dw, dkv, draft_note = draft_bytes(model, k, draft)
     kv_tok = kv_bytes_per_token(model, k) + dkv
+    state = model.state_bytes_per_sequence(k.tp)
     ws = workspace_bytes(model, k)
     detail = {"weights": w / GB, "draft": dw / GB, "workspace": ws / GB}
     problems = []
+    sequences = None  # what the state pool caps (hybrid models), else the KV pool alone
     if k.tp > max(1, num_gpus):
         problems.append(f"tp {k.tp} needs {k.tp} GPUs, {num_gpus} given")
     if engine.memory_pool == "slots":
         budget = total * (fraction if on_gpu else 1.0)
         slots = k.max_running or 4
-        detail["kv cache"] = slots * context_len * kv_tok / GB
+        detail["kv cache"] = slots * (context_len * kv_tok + state) / GB
         kv_tokens = slots * context_len if sum(detail.values()) <= budget else 0
     else:
         if engine.memory_pool == "static_fraction":
-            pool = fraction * total * GB - w - dw
+            before_load = (total - (CUDA_CONTEXT_GB if k.cuda_context else 0.0)) * GB
+            pool = fraction * before_load - w - dw
             if ws > (1 - fraction) * total * GB:
                 problems.append(f"workspace {ws / GB:.2f} GB exceeds the {(1 - fraction) * total:.2f} GB that "
                                 f"mem_fraction_static {fraction:.2f} leaves outside the static pool")
+            kv_tokens, sequences, state_gb = _sglang_pool(pool, kv_tok, state, k)
         elif engine.memory_pool == "utilization":
             pool = fraction * total * GB - w - dw - ws
+            kv_tokens, sequences, state_gb = _vllm_pool(pool, kv_tok, state, k, model, context_len)
         else:
             raise ValueError(f"the {engine.name} adapter's memory_pool {engine.memory_pool!r} is not one of "
                              "static_fraction, utilization, slots")
         budget = fraction * total
-        kv_tokens = max(0, int(pool // kv_tok)) if kv_tok else 0
         detail["kv cache"] = kv_tokens * kv_tok / GB
+        if state_gb:
+            detail["recurrent state"] = state_gb
         if pool <= 0:
             problems.insert(0, f"weights alone take {(w + dw) / GB:.2f} GB of the {budget:.2f} GB usable per GPU")
-        elif kv_tokens < context_len:
+        elif kv_tokens < context_len or sequences == 0:
             problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
     if engine.memory_pool == "slots" and sum(detail.values()) > budget:
         problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
                         f"of {detail['kv cache']:.2f} GB")
     parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")
     parts += f", workspace {ws / GB:.2f} GB, KV {kv_tok * 1000 / GB:.3f} GB per 1k tokens"
+    parts += f", state {state / GB:.3f} GB per sequence" if state else ""
     where = f"{budget:.2f} GB usable of {total:.2f} GB" + (" per GPU" if on_gpu else " RAM")
     if problems:
         reason = f"does not fit: {'; '.join(problems)} ({parts}; {where}, tp {k.tp})"
     else:
-        reason = f"fits: {kv_tokens} KV tokens = {kv_tokens // context_len} sequences of {context_len} ({parts}; {where})"
+        seqs = kv_tokens // context_len if sequences is None else min(kv_tokens // context_len, sequences)
+        reason = f"fits: {kv_tokens} KV tokens = {seqs} sequences of {context_len} ({parts}; {where})"
     return MemoryEstimate(fits=not problems, weights_gb=w / GB, kv_gb_per_1k_tokens=kv_tok * 1000 / GB,
                           workspace_gb=ws / GB, kv_tokens=kv_tokens, reason=reason, draft_gb=dw / GB, total_gb=total,
-                          budget_gb=budget, context_len=context_len, detail=detail)
+                          budget_gb=budget, context_len=context_len, detail=detail, state_sequences=sequences)
+
+
+def _sglang_pool(pool: float, kv_tok: float, state: float, k: Knobs) -> tuple[int, int | None, float]:
+    """(KV tokens, state slots, state GB) of SGLang's pool of `pool` bytes. Hybrid models: the state pool
+    gets ratio / (1 + ratio) of it; K = slots solved as in _handle_max_mamba_cache (one padding slot;
+    with speculation each slot also holds D draft states for 1/3 of the slots, and D x (running + 1)
+    intermediate states are reserved)."""
+    if pool <= 0:
+        return 0, None, 0.0
+    if not state:
+        return int(pool // kv_tok), None, 0.0
+    budget = pool * SGLANG_STATE_RATIO / (1 + SGLANG_STATE_RATIO)
+    if k.drafter:
+        d = k.verify_tokens
+        slots = int((budget - state * (1 + d)) // (state * (1 + d / SGLANG_STATE_SLOTS_PER_REQUEST)))
+        running = min(k.max_running or DEFAULT_MAX_RUNNING, slots // SGLANG_STATE_SLOTS_PER_REQUEST)
+        used = state * (running + 1) * d + (slots + 1) * state
+    else:
+        slots = int((budget - state) // state)
+        used = (slots + 1) * state
+    return max(0, int((pool - used) // kv_tok)), max(0, slots), used / GB
+
+
+def _vllm_pool(pool: float, kv_tok: float, state: float, k: Knobs, model: ModelSpec,
+               context_len: int) -> tuple[int, int | None, float]:
+    """(KV tokens, sequences, state GB) of vLLM's pool of `pool` bytes: whole blocks of block_size
+    tokens (vllm/v1/core/kv_cache_utils.py: num_blocks = available // page size of all layers). A hybrid
+    model: attention blocks grow to a multiple of 16 tokens whose page holds one layer's state
+    (update_block_size_for_backend), layers form groups of equal size, and a sequence takes
+    ceil(context / block) blocks of each attention group plus one block of each state group."""
+    block = k.block_size or 16
+    if pool <= 0:
+        return 0, None, 0.0
+    if not state:
+        blocks = int(pool // (block * kv_tok))
+        return blocks * block, None, 0.0
+    attn_layers, state_layers = model.cache_layers, model.linear_layers
+    per_layer_token, per_layer_state = kv_tok / attn_layers, state / state_layers
+    align = max(VLLM_BLOCK_ALIGNMENT, block)
+    block = align * math.ceil(per_layer_state / (align * per_layer_token))
+    group = math.gcd(attn_layers, state_layers)
+    page = block * per_layer_token * group  # bytes of one block of one group
+    per_sequence = (attn_layers // group) * math.ceil(context_len / block) + state_layers // group
+    sequences = int(pool // page) // per_sequence
+    return sequences * context_len, sequences, sequences * (state_layers // group) * page / GB
 
 
 # -- on a probed machine, the way the tuner holds the model -------------------------------------------

@@ -1,8 +1,10 @@
-"""What the predictor needs to know about a model: its shapes, from a preset, an HF config.json or GGUF metadata."""
+"""What the predictor needs to know about a model: its shapes, from a preset, an HF config.json or GGUF metadata;
+and what a draft checkpoint is (an EAGLE-1 or EAGLE-3 head, a DFlash head, a standalone model)."""
 from __future__ import annotations
 
 import functools
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +27,41 @@ class ModelSpec:
     tied_embeddings: bool
     kv_layers: int | None = None  # layers holding a per-token KV cache (None: all)
     source: str = ""
+    # Extra next-token layers the checkpoint carries (DeepSeek-V3 `num_nextn_predict_layers`, Qwen3.5 /
+    # Qwen3-Next `mtp_num_hidden_layers`): what SGLang's NEXTN and vLLM's `mtp` draft with.
+    mtp_layers: int = 0
+    # Hybrid linear-attention layers (Gated DeltaNet): a fixed state per sequence instead of a KV cache.
+    # Shapes as in the config (linear_num_key_heads ...); the state is v_heads x k_dim x v_dim in
+    # `state_bytes` (mamba_ssm_dtype, float32 by default) plus a conv window of (conv_kernel - 1) x
+    # (2 x k_heads x k_dim + v_heads x v_dim) in 16 bit (sglang/srt/configs/mamba_utils.py).
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 4
+    state_bytes: int = 4
+    # The checkpoint's own weight format (its quantization_config.quant_method: awq, gptq, fp8 ...;
+    # None: 16-bit weights, or a preset that stands for every published variant).
+    checkpoint_quant: str | None = None
+    architecture: str = ""
 
     @property
     def cache_layers(self) -> int:
         return self.kv_layers or self.layers
+
+    @property
+    def linear_layers(self) -> int:
+        """Layers that keep a recurrent state instead of a KV cache."""
+        return self.layers - self.cache_layers if self.linear_v_heads else 0
+
+    def state_bytes_per_sequence(self, tp: int = 1) -> float:
+        """Recurrent state of one sequence on one GPU (heads shard over TP)."""
+        if not self.linear_layers:
+            return 0.0
+        v_heads, k_heads = -(-self.linear_v_heads // tp), -(-self.linear_k_heads // tp)
+        temporal = v_heads * self.linear_k_dim * self.linear_v_dim * self.state_bytes
+        conv = (self.linear_conv_kernel - 1) * (2 * k_heads * self.linear_k_dim + v_heads * self.linear_v_dim) * 2
+        return float(self.linear_layers * (temporal + conv))
 
     @property
     def embedding_params(self) -> float:
@@ -76,21 +109,94 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
 
 def _from_hf_config(file: Path) -> ModelSpec:
     try:
-        c = json.loads(file.read_text())
-        c = c.get("text_config", c)  # multimodal checkpoints nest the language model's config
+        top = json.loads(file.read_text())
+        c = top.get("text_config", top)  # multimodal checkpoints nest the language model's config
         heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
         layers = int(c["num_hidden_layers"])
-        kv_layers = sum(t == "full_attention" for t in c["layer_types"]) if "layer_types" in c else None
+        kv_layers = _attention_layers(c, layers)
         spec = {"name": file.parent.name, "layers": layers, "hidden": hidden, "heads": heads,
                 "kv_heads": int(c.get("num_key_value_heads") or heads),
                 "head_dim": int(c.get("head_dim") or hidden // heads), "intermediate": int(c["intermediate_size"]),
                 "vocab": int(c["vocab_size"]), "params": 0.0, "tied_embeddings": bool(c.get("tie_word_embeddings", False)),
-                "kv_layers": kv_layers or None, "source": str(file)}
+                "kv_layers": kv_layers or None, "source": str(file),
+                "mtp_layers": int(c.get("num_nextn_predict_layers") or c.get("mtp_num_hidden_layers") or 0),
+                "linear_k_heads": int(c.get("linear_num_key_heads") or 0),
+                "linear_v_heads": int(c.get("linear_num_value_heads") or 0),
+                "linear_k_dim": int(c.get("linear_key_head_dim") or 0),
+                "linear_v_dim": int(c.get("linear_value_head_dim") or 0),
+                "linear_conv_kernel": int(c.get("linear_conv_kernel_dim") or 4),
+                "state_bytes": 2 if c.get("mamba_ssm_dtype") in ("bfloat16", "float16") else 4,
+                "checkpoint_quant": _quant_method(top), "architecture": (top.get("architectures") or [""])[0]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{file}: not a usable model config ({type(e).__name__}: {e})") from None
     model = ModelSpec(**spec)
     total = _safetensors_params(file.parent)
     return ModelSpec(**{**spec, "params": total or model.computed_params()})
+
+
+def _attention_layers(c: dict, layers: int) -> int | None:
+    """Full-attention layers of a hybrid model: its `layer_types`, or every `full_attention_interval`-th
+    layer (Qwen3-Next); None when every layer is attention."""
+    if "layer_types" in c:
+        return sum(t == "full_attention" for t in c["layer_types"])
+    if c.get("full_attention_interval") and c.get("linear_num_value_heads"):
+        return layers // int(c["full_attention_interval"])
+    return None
+
+
+def _quant_method(config: dict) -> str | None:
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    return (str(q.get("quant_method") or "").lower() or None) if isinstance(q, dict) else None
+
+
+# -- draft checkpoints --------------------------------------------------------------------------------
+DRAFT_KINDS = ("eagle", "eagle3", "dflash", "standalone")
+
+
+def draft_kind(path: str | Path) -> str | None:
+    """What a draft checkpoint directory is: "eagle" (an EAGLE-1/2 head: fc over 2 x hidden), "eagle3"
+    (fc over 3 x hidden, a reduced-vocabulary head), "dflash" (a DFlash block drafter), "standalone" (a
+    small model of its own); None when the path has no config.json (a hub id: nothing to read here).
+
+    Read like the engines read it: the architecture names (vLLM's EAGLEConfig keeps a name that starts
+    or ends with Eagle3 / DFlash, vllm/transformers_utils/configs/eagle.py; SGLang's LlamaForCausalLMEagle
+    and LlamaForCausalLMEagle3), the DFlash / EAGLE-3 config fields, and where the names say nothing (the
+    original EAGLE releases call themselves LlamaForCausalLM) the width of the head's `fc` weight."""
+    directory = Path(path)
+    config_file = directory / "config.json" if directory.is_dir() else None
+    if config_file is None or not config_file.is_file():
+        return None
+    try:
+        c = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file}: not a usable model config ({type(e).__name__}: {e})") from None
+    names = [str(a) for a in c.get("architectures") or []]
+    if any("dflash" in a.lower() for a in names) or "dflash_config" in c:
+        return "dflash"
+    if any(a.lower().startswith("eagle3") or a.lower().endswith("eagle3") for a in names) or "eagle_config" in c \
+            or "draft_vocab_size" in c:
+        return "eagle3"
+    if any(a.lower().startswith("eagle") or a.lower().endswith("eagle") for a in names):
+        return "eagle"
+    fc = _tensor_shapes(directory).get("fc.weight")
+    hidden = int(c.get("hidden_size") or 0)
+    if fc and hidden and len(fc) == 2:
+        return "eagle3" if fc[1] == 3 * hidden else "eagle"
+    return "standalone"
+
+
+def _tensor_shapes(directory: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from the headers of the directory's safetensors files (no weights read)."""
+    shapes = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(min(size, 100_000_000)))
+        except (OSError, ValueError, struct.error):
+            continue
+        shapes.update({k: v.get("shape") for k, v in header.items() if isinstance(v, dict)})
+    return shapes
 
 
 def _safetensors_params(directory: Path) -> float | None:

@@ -13,11 +13,7 @@ from autotune.predict.knobs import Engine
 from autotune.predict.memory import MemoryEstimate, predict_memory
 from autotune.predict.models import ModelSpec
 from autotune.predict.speed import SpeedEstimate, predict_speed
-from autotune.space.constraints import ModelShape, hardware_violations
-
-# Drafter families that read extra layers from the target checkpoint (DeepSeek-style MTP): the presets
-# do not say which checkpoints carry them, so they are not offered.
-NEEDS_MTP_WEIGHTS = ("mtp",)
+from autotune.space.constraints import ModelShape, drafter_problem, hardware_violations, quantization_problem
 
 
 @dataclass
@@ -35,8 +31,8 @@ def _values(param) -> list:
     if param.type in ("categorical", "batch_sizes"):
         return list(param.choices)
     low, high = int(param.low), int(param.high)
-    if param.type == "float":
-        return [param.default]
+    if param.type == "float":  # a memory fraction: the engine's default, and the most the space allows
+        return list(dict.fromkeys([param.default, param.high]))
     if high - low <= 8:
         return list(range(low, high + 1, int(param.step or 1)))
     powers = [2**i for i in range(high.bit_length()) if low <= 2**i <= high]
@@ -66,26 +62,31 @@ def _hardware(profile, num_gpus: int):
 
 def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int = 10, *, engine: Engine,
                  concurrency: int = 1, context_len: int | None = None, alpha: float | None = None,
-                 draft: ModelSpec | None = None, has_draft_model: bool = False,
-                 calibration=None) -> list[tuple[dict, Prediction]]:
+                 draft: ModelSpec | None = None, has_draft_model: bool = False, draft_kind: str | None = None,
+                 calibration=None, keep=None) -> list[tuple[dict, Prediction]]:
     """The `top` configurations of `space` (of the engine adapter `engine`) by predicted decode tok/s (at
     `concurrency` when > 1, else one stream), each with its memory and speed prediction. Skipped: configs
-    the engine's rules or the
-    hardware refuse, speculative algorithms needing a draft model when `has_draft_model` is False, and
-    configs that do not fit memory. Speed is predicted at half of `context_len` cached tokens (a
-    sequence's average while it grows to the length memory must hold)."""
+    the engine's rules, the hardware or the checkpoints refuse (MTP without MTP layers, a drafter other
+    than `draft_kind`'s family, AWQ for 16-bit weights), speculative algorithms needing a draft model when
+    `has_draft_model` is False, and configs that do not fit memory. Speed is predicted at half of
+    `context_len` cached tokens (a sequence's average while it grows to the length memory must hold).
+    `keep`: a list that receives (config, reasons) for every configuration refused, in enumeration order."""
     if space.engine != engine.name:
         raise ValueError(f"a {space.engine} search space ranked as {engine.name} configurations")
     hw = _hardware(profile, num_gpus)
-    shape = ModelShape.of(model)
+    shape = ModelShape.of(model, draft_kind)
     on_gpu = bool(profile.is_gpu)
+    refused = keep if keep is not None else []
     seen, ranked = set(), []
     for config in candidate_configs(space, engine):
-        if engine.check(config, hw, has_draft_model=has_draft_model):
-            continue
-        if engine.knobs(config, on_gpu).drafter in NEEDS_MTP_WEIGHTS:
-            continue
-        if hw is not None and hardware_violations(config, hw, shape, adapter=engine):
+        problems = engine.check(config, hw, has_draft_model=has_draft_model)
+        if hw is not None:
+            problems += hardware_violations(config, hw, shape, adapter=engine)
+        else:  # no GPU: only what the checkpoints decide
+            problems += [p for p in (quantization_problem(config.get("quantization"), shape),
+                                     drafter_problem(engine.knobs(config, on_gpu).drafter, shape)) if p]
+        if problems:
+            refused.append((config, problems))
             continue
         key = repr(sorted(engine.effective(config).items()))
         if key in seen:
@@ -94,6 +95,7 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
         memory = predict_memory(model, config, profile, num_gpus, engine=engine, draft=draft,
                                 context_len=context_len)
         if not memory.fits:
+            refused.append((config, [memory.reason]))
             continue
         speed = predict_speed(model, config, profile, num_gpus, engine=engine, concurrency=concurrency,
                               context_len=memory.context_len // 2, alpha=alpha, draft=draft,

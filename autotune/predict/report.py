@@ -9,19 +9,26 @@ from rich.table import Table
 
 from autotune.hardware import probe
 from autotune.predict.knobs import Engine
-from autotune.predict.models import load_model
+from autotune.predict.models import draft_kind, load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
 from autotune.space import load_space
 
+REFUSED_SHOWN = 10  # pinned configurations refused, listed with their reasons
+
 
 def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engine, draft_model: str | None,
-                    alpha: float | None, concurrency: int, context_len: int | None, top: int, as_json: bool) -> str:
-    """`engine`: the engine's adapter. Raises ValueError (one line) for anything unusable."""
+                    alpha: float | None, concurrency: int, context_len: int | None, top: int, as_json: bool,
+                    space=None) -> str:
+    """`engine`: the engine's adapter; `space`: its search space as the user narrowed it (`--space`,
+    `--set`: study.plan.user_space), default the engine's own. Every configuration ranked satisfies the
+    pins; those the rules, checkpoints or memory refuse are listed with the reason when the user pinned
+    anything (what they asked about, however it ranks). Raises ValueError (one line) for anything unusable."""
     if alpha is not None and not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     if concurrency < 1 or top < 1 or (num_gpus is not None and num_gpus < 1) or (context_len is not None and context_len < 1):
         raise ValueError("--concurrency, --top, --num-gpus and --context-len must be at least 1")
     spec = load_model(model)
+    kind = draft_kind(draft_model) if draft_model else None
     draft = None
     if draft_model:
         try:
@@ -33,20 +40,28 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
     gpus = num_gpus or max(1, hardware.gpu_count)
     if profile is None:
         raise ValueError("no hardware profile matches this machine's GPU; pass --gpu <profile>")
-    space = load_space(engine.name)
+    space = space or load_space(engine.name)
+    pins = {name: p.fixed for name, p in space.params.items() if p.pinned}
+    refused: list = []
     ranked = rank_configs(space, spec, profile, gpus, top, engine=engine, concurrency=concurrency,
-                          context_len=context_len, alpha=alpha, draft=draft, has_draft_model=bool(draft_model))
+                          context_len=context_len, alpha=alpha, draft=draft, has_draft_model=bool(draft_model),
+                          draft_kind=kind, keep=refused)
     target = model_argument(spec, model, engine)
-    rows = [{"rank": i + 1, "config": config, "changed": changed(config, space), **prediction.to_dict(),
+    defaults = load_space(engine.name)
+    rows = [{"rank": i + 1, "config": config, "changed": changed(config, defaults), **prediction.to_dict(),
              "launch": launch_command(engine, config, target, draft_model)} for i, (config, prediction) in enumerate(ranked)]
+    refused_rows = [{"changed": changed(config, defaults), "reasons": reasons}
+                    for config, reasons in refused[:REFUSED_SHOWN]] if pins else []
     where = f"{gpus} x {profile.name}"
     if as_json:
         return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine.name,
-                           "concurrency": concurrency, "configs": rows}, indent=2, default=str)
-    return _table(rows, spec.name, where, engine.name, concurrency, profile)
+                           "concurrency": concurrency, "pinned": pins, "configs": rows, "refused": refused_rows},
+                          indent=2, default=str)
+    return _table(rows, spec.name, where, engine.name, concurrency, profile, pins, refused_rows)
 
 
-def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile) -> str:
+def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile, pins: dict,
+           refused: list[dict]) -> str:
     title = (f"PREDICTED (not measured): {model} on {where}, {engine}, ranked by "
              + (f"tok/s at concurrency {concurrency}" if concurrency > 1 else "single-stream tok/s"))
     table = Table(title=title)
@@ -62,8 +77,13 @@ def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: i
     out = io.StringIO()
     console = Console(file=out, width=160, force_terminal=False)
     console.print(table)
+    if pins:
+        console.print("pinned: " + ", ".join(f"{k}={v}" for k, v in pins.items()))
+    for r in refused:
+        knobs = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(engine defaults)"
+        console.print(f"  refused: {knobs}: {'; '.join(r['reasons'])}", soft_wrap=True)
     if not rows:
-        console.print("no configuration fits: see `autotune estimate --help` for --num-gpus, --gpu")
+        console.print("no configuration fits: see `autotune estimate --help` for --num-gpus, --gpu, --set")
     note = "" if profile.is_gpu else " (CPU: no bandwidth on the profile; assumed, see autotune/predict/speed.py)"
     console.print(f"PREDICTED launch commands{note}:")
     for r in rows:

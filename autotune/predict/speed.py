@@ -1,15 +1,19 @@
-"""Decode speed from a roofline of the hardware profile, with speculative decoding and concurrency.
+"""Decode speed from a roofline of the hardware profile, with kernel launches, speculative decoding
+and concurrency.
 
 A decode step is a list of forward passes (the target's verify pass, the drafter's passes). Each pass
-takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak) + all-reduce
-        + step_overhead + layer_overhead * (layers run eagerly)
+takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, kernels * kernel_s)
+        + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
 Bytes: the weights once per pass plus every sequence's KV cache; FLOPs: 2 x parameters x tokens plus
-attention over the context. TP adds two all-reduces per layer of tokens x hidden activations (ring:
-2(n-1)/n of the message over the link, plus a latency). CUDA graphs replay all kernels of a pass at
-once, so only the step overhead is left (layer_overhead applies to eager passes: no graphs, or a batch
-above the largest captured one). A step yields E = (1 - a^(k+1)) / (1 - a) tokens per sequence for k
-drafted tokens accepted each with probability a. The four coefficients start at the priors below and
-are fitted per machine by Calibration (autotune/predict/calibration.py).
+attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer (plus the adapter's
+extra_layer_kernels, e.g. a dequantize kernel per linear layer) and HEAD_KERNELS per pass. Even under a
+CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a small model is
+bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the largest
+captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
+layer of tokens x hidden activations (ring: 2(n-1)/n of the message over the link, plus a latency). A
+step yields E = (1 - a^(k+1)) / (1 - a) tokens per sequence for k drafted tokens accepted each with
+probability a. The coefficients start at the priors below (kernel_s and launch_s from the hardware
+profile's kernel_us) and are fitted per machine by Calibration (autotune/predict/calibration.py).
 """
 from __future__ import annotations
 
@@ -32,26 +36,43 @@ ALPHA_PRIORS = {
     "eagle3": 0.80,  # EAGLE-3 (arXiv:2503.01840): higher and flatter n-a than EAGLE, ~0.8
     "mtp": 0.85,  # DeepSeek-V3 report (arXiv:2412.19437, 5.4.3): 2nd-token acceptance 85-90%
     "draft": 0.70,  # Leviathan et al. (arXiv:2211.17192), Table 3: a = 0.5-0.9 over model pairs
+    # DFlash (https://z-lab.ai/projects/dflash): "up to 6.2x lossless acceleration" on Qwen3-8B with
+    # 16-token blocks, so >= 6 tokens a step; a = 0.85 over a block of 16 gives E = 6.0
+    "dflash": 0.85,
     "lookup": 0.50,  # n-gram lookup: workload-bound (high on code edits, low on chat); a guess
     "early_exit": 0.50,  # a guess; the embedded engine's measured accept lengths replace it
     "quantized_self": 0.90,  # an int8 copy of the target agrees with it almost always; a guess
 }
 
 
+# Kernels of one decoder layer on the plain bf16 path: 2 norms (residual add fused), the q/k/v and o
+# projections (fused qkv in SGLang/vLLM; separate in the embedded engine, whose rope and cache write
+# inductor fuses in), rope + cache write, attention, gate/up, activation, down: about 12 either way;
+# the head: final norm, lm_head GEMM, sampling, and the step's small copies.
+KERNELS_PER_LAYER = 12
+HEAD_KERNELS = 4
+# Per-kernel cost where the profile has no kernel_us (CPU): assumed, replaced by calibration.
+CPU_KERNEL_S, CPU_LAUNCH_S = 1e-6, 200e-6 / KERNELS_PER_LAYER
+
+
 @dataclass(frozen=True)
 class Coefficients:
     mem_scale: float = 1 / 0.80  # decode GEMVs reach ~80% of the HBM bandwidth on the spec sheet
     compute_scale: float = 1 / 0.60  # large bf16 GEMMs reach ~60% of the dense Tensor Core peak
-    step_overhead_s: float = 0.5e-3  # scheduling, sampling, graph launch per pass
-    layer_overhead_s: float = 40e-6  # eager kernel launches: ~10 kernels x 4 us per layer
+    step_overhead_s: float = 0.5e-3  # scheduling, sampling, graph launch per decode step
+    kernel_s: float = 2.5e-6  # one kernel's floor inside a CUDA graph (hardware profile: kernel_us.graph)
+    launch_s: float = 8e-6  # one kernel's launch from eager PyTorch (hardware profile: kernel_us.eager)
 
 
 # No profile numbers on a CPU machine: assumed here, replaced by calibration (benchmarks/bench_predict_accuracy.py).
 CPU_BANDWIDTH_GBPS = 20.0  # a share of a server's DDR4/DDR5 channels
 CPU_GFLOPS_PER_CORE = 25.0  # fp32 AVX2 FMA at ~2 GHz, half of the theoretical 64
-CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, layer_overhead_s=200e-6)
+CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, kernel_s=CPU_KERNEL_S,
+                                launch_s=CPU_LAUNCH_S)
 # All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
 NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
+# A DFlash drafter's layers when the draft checkpoint is not given (its config says; a guess).
+DFLASH_ASSUMED_LAYERS = 5
 
 
 @dataclass(frozen=True)
@@ -60,11 +81,13 @@ class Pass:
     mem_s: float
     compute_s: float
     comm_s: float
-    eager_layers: int  # layers launched kernel by kernel (0 under a CUDA graph)
+    kernels: int  # kernels the pass launches
+    eager: bool  # launched kernel by kernel (not replayed from a CUDA graph)
+    steps: int = 1  # scheduler steps it closes (the verify pass 1; a draft pass 0: it runs inside the step)
 
     def seconds(self, c: Coefficients) -> float:
-        return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s) + self.comm_s
-                + c.step_overhead_s + c.layer_overhead_s * self.eager_layers)
+        return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s, c.kernel_s * self.kernels)
+                + self.comm_s + c.step_overhead_s * self.steps + (c.launch_s * self.kernels if self.eager else 0.0))
 
 
 @dataclass
@@ -77,7 +100,7 @@ class SpeedEstimate:
     tokens_per_step: float  # E per sequence
     alpha: float | None
     step_ms: float  # at `batch`
-    bound: str  # memory | compute, of the target's pass at `batch`
+    bound: str  # memory | compute | kernels (the per-kernel floor), of the target's pass at `batch`
 
 
 def expected_tokens(alpha: float, k: Knobs) -> float:
@@ -120,7 +143,13 @@ def _hardware(profile, k: Knobs) -> tuple[float, float, float, float]:
 
 
 def default_coefficients(profile) -> Coefficients:
-    return Coefficients() if profile is not None and profile.is_gpu else CPU_COEFFICIENTS
+    """The priors: a GPU profile's kernel_us (graph floor and eager launch per kernel), else the CPU's."""
+    if profile is None or not profile.is_gpu:
+        return CPU_COEFFICIENTS
+    per_kernel = getattr(profile, "kernel_us", None) or {}
+    prior = Coefficients()
+    return replace(prior, kernel_s=per_kernel.get("graph", prior.kernel_s * 1e6) * 1e-6,
+                   launch_s=per_kernel.get("eager", prior.launch_s * 1e6) * 1e-6)
 
 
 # -- passes -----------------------------------------------------------------------------------------
@@ -134,19 +163,23 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
-    return Pass(mem / bw, flops / peak, comm, layers if eager else 0)
+    kernels = layers * (KERNELS_PER_LAYER + k.extra_layer_kernels) + HEAD_KERNELS
+    return Pass(mem / bw, flops / peak, comm, kernels, eager)
 
 
 def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
     heads = model.heads * model.head_dim * model.cache_layers / model.layers / k.tp
-    return make_pass(weights_bytes(model, k), model.params / k.tp, model.layers, kv_bytes_per_token(model, k),
+    weights = weights_bytes(model, k) + seqs * model.state_bytes_per_sequence(k.tp)  # recurrent states read once
+    return make_pass(weights, model.params / k.tp, model.layers, kv_bytes_per_token(model, k),
                      heads, seqs, tokens, context, model, k, profile, eager)
 
 
 def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float, eager: bool,
                  draft: ModelSpec | None) -> list[Pass]:
     """The drafter's passes in one step: k sequential passes of seqs x topk tokens (EAGLE-family add one
-    pass that extends the draft cache over the accepted tokens). n-gram lookup costs no GPU pass."""
+    pass that extends the draft cache over the accepted tokens); a DFlash drafter one parallel pass over
+    the block. n-gram lookup costs no GPU pass. Each pass has its own kernels (the draft's cost per step
+    that a small target cannot hide behind its bytes)."""
     if k.drafter in (None, "lookup"):
         return []
     dense = WEIGHT_BYTES.get(k.dtype, 2)
@@ -164,6 +197,12 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
     elif k.drafter == "quantized_self":
         params, layers, kv = model.params / k.tp, model.layers, kv_bytes_per_token(model, k)
         wbytes = (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp
+    elif k.drafter == "dflash":  # a few layers over the target's features, the target's head shared
+        layers = draft.layers if draft is not None else DFLASH_ASSUMED_LAYERS
+        params, kv = one_layer * layers + head, kv_bytes_per_token(model, k, layers=layers)
+        wbytes = params * dense
+        return [replace(make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.verify_tokens, context, model,
+                                  k, profile, eager), steps=0)]
     else:  # a separate draft checkpoint
         d = draft or replace(model, params=model.params * UNKNOWN_DRAFT_FRACTION,
                              layers=max(1, round(model.layers * UNKNOWN_DRAFT_FRACTION * 4)))
@@ -171,7 +210,7 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
         wbytes, width = params * dense, d.heads * d.head_dim / k.tp
     one = make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.topk, context, model, k, profile, eager)
     extend = 1 if k.drafter in ("eagle", "eagle3", "mtp") else 0
-    return [one] * (k.draft_steps + extend)
+    return [replace(one, steps=0)] * (k.draft_steps + extend)
 
 
 def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
@@ -203,7 +242,9 @@ def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *,
     single, _ = step(1)
     t, passes = step(batch)
     verify = passes[0]
-    bound = "memory" if coef.mem_scale * verify.mem_s >= coef.compute_scale * verify.compute_s else "compute"
+    terms = {"memory": coef.mem_scale * verify.mem_s, "compute": coef.compute_scale * verify.compute_s,
+             "kernels": coef.kernel_s * verify.kernels}
+    bound = max(terms, key=terms.get)
     return SpeedEstimate(single_tok_s=tokens / single, concurrent_tok_s=batch * tokens / t, per_stream_tok_s=tokens / t,
                          concurrency=concurrency, batch=batch, tokens_per_step=tokens,
                          alpha=alpha if k.drafter else None, step_ms=t * 1e3, bound=bound)

@@ -1,10 +1,13 @@
-"""Hardware conditions, checked before any launch (memory fit: autotune/predict/memory.py).
+"""Hardware and model conditions, checked before any launch (memory fit: autotune/predict/memory.py).
 
 Cross-flag rules of one engine live in its adapter (`autotune/engines/<engine>.py: check`); what
 depends on the machine and the model lives here: FP8 only where the GPU has it (natively on
 cc >= 8.9, weight-only through Marlin W8A16 on Ampere), tensor parallelism dividing the GPU count
-and the model's attention heads, CUDA graphs only on CUDA. The engine adapter (`adapter`) says
-which config key is its tensor-parallel size (`tp_key`).
+and the model's attention heads, CUDA graphs only on CUDA; drafters the checkpoints can run (MTP
+only for a model with MTP layers; with a draft checkpoint, only the family its architecture is);
+AWQ/GPTQ only for a checkpoint in that format. The engine adapter (`adapter`) says which config key
+is its tensor-parallel size (`tp_key`), which names the drafter (`draft_keys[0]`) and what family a
+drafter value is (`adapter.knobs(config).drafter`).
 """
 from __future__ import annotations
 
@@ -14,6 +17,13 @@ from dataclasses import dataclass, replace
 from autotune.space.space import Space
 
 
+# The draft checkpoint each drafter family runs (predict.models.draft_kind names them); the other
+# families need none (mtp: the target's own layers; lookup and the embedded self-drafters).
+DRAFT_CHECKPOINT = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "draft": "standalone"}
+# Quantization values that read a checkpoint already in that format (never converted at load time).
+CHECKPOINT_FORMATS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+
+
 @dataclass
 class ModelShape:
     n_layers: int
@@ -21,11 +31,42 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int
     n_params: int
+    mtp_layers: int = 0  # next-token layers in the target checkpoint (NEXTN / mtp draft with them)
+    checkpoint_quant: str | None = None  # the checkpoint's quant_method; None: 16-bit or a preset
+    preset: bool = False  # a preset stands for every published variant (AWQ, GPTQ ...) of the model
+    draft_kind: str | None = None  # the --draft-model's kind (eagle | eagle3 | dflash | standalone), if read
 
     @classmethod
-    def of(cls, model) -> ModelShape:
-        """The shape of a predict.ModelSpec."""
-        return cls(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params))
+    def of(cls, model, draft_kind: str | None = None) -> ModelShape:
+        """The shape of a predict.ModelSpec (and of the draft checkpoint's kind, when known)."""
+        return cls(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params),
+                   getattr(model, "mtp_layers", 0), getattr(model, "checkpoint_quant", None),
+                   str(getattr(model, "source", "")).startswith("https://"), draft_kind)
+
+
+def drafter_problem(family: str | None, shape: ModelShape | None) -> str | None:
+    """Why a drafter family cannot run with this target and draft checkpoint (None: it can)."""
+    if not family or shape is None:
+        return None
+    if family == "mtp" and not shape.mtp_layers:
+        return "mtp drafts with the target's own MTP layers; this model has none"
+    need = DRAFT_CHECKPOINT.get(family)
+    if need and shape.draft_kind and need != shape.draft_kind:
+        return f"{family} needs a{'n' if need[0] in 'ae' else ''} {need} draft checkpoint; --draft-model is {shape.draft_kind}"
+    return None
+
+
+def quantization_problem(value, shape: ModelShape | None) -> str | None:
+    """Why a quantization value does not match the checkpoint's weights (None: it does)."""
+    if shape is None or shape.preset or value in (None, "none"):
+        return None
+    wanted = CHECKPOINT_FORMATS.get(str(value).lower())
+    have = shape.checkpoint_quant
+    if wanted and wanted != have:
+        return f"quantization {value} reads {wanted.upper()} weights; the checkpoint is {have or '16-bit'}"
+    if have in CHECKPOINT_FORMATS.values() and not wanted:
+        return f"the checkpoint holds {have.upper()} weights; quantization {value} would re-quantize them"
+    return None
 
 
 # -- the machine -------------------------------------------------------------------------------------
@@ -68,6 +109,13 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None, *, adapter) 
             out.append(f"{key}={tp} does not divide the GPU count {gpus}")
         if shape and shape.n_heads % tp:
             out.append(f"{key}={tp} does not divide the model's {shape.n_heads} attention heads")
+    problem = quantization_problem(config.get("quantization"), shape)
+    if problem:
+        out.append(problem)
+    if adapter.draft_keys[0] and config.get(adapter.draft_keys[0]) not in (None, "none"):
+        problem = drafter_problem(adapter.knobs(config, bool(gpus)).drafter, shape)
+        if problem:
+            out.append(problem)
     if config.get("quantization") == "gguf" and gpus:
         out.append("quantization gguf (the embedded engine's GGUF block kernels) runs on the CPU; this machine's engine runs on its GPU")
     if config.get("cuda_graph_batch_sizes") and not gpus:
@@ -99,7 +147,12 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
             narrow(key, choices=[c for c in params[key].choices if c not in values])
     if "quantization" in params:
         narrow("quantization", choices=[c for c in params["quantization"].choices
-                                        if _fp8_allowed(c, _fp8_mode(hw)) and not (c == "gguf" and _gpu_count(hw))])
+                                        if _fp8_allowed(c, _fp8_mode(hw)) and not (c == "gguf" and _gpu_count(hw))
+                                        and not quantization_problem(c, shape)])
+    key = adapter.draft_keys[0]
+    if key in params and params[key].type == "categorical":
+        narrow(key, choices=[c for c in params[key].choices if c in (None, "none") or not drafter_problem(
+            adapter.knobs({key: c}, bool(_gpu_count(hw))).drafter, shape)])
     if "cuda_graph_batch_sizes" in params and not _gpu_count(hw):
         narrow("cuda_graph_batch_sizes", choices=[[]], fixed=[])
     if "compile" in params and not _gpu_count(hw):

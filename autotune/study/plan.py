@@ -90,6 +90,26 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
                       resume=resume, study=study, **rest)
 
 
+def user_space(adapter: EngineAdapter, space_file: str | None, sets: list[str]) -> Space:
+    """The engine's space as the user narrowed it: `--space FILE` (a full space YAML, or a narrowing file
+    {name: value | [values] | {low, high}}) and then `--set name=value` pins; ValueError (one line) for a
+    name the engine does not have or a value its parameter cannot take (`run` and `estimate` alike)."""
+    space = load_space(adapter.name)
+    overrides: dict = {}
+    if space_file:
+        data = load_overrides(space_file)
+        if "parameters" in data:
+            space = parse_space(data, source=space_file)
+        else:
+            overrides.update(data)
+    unknown = sorted(set(space.params) - adapter.config_keys())
+    if unknown:
+        raise ValueError(f"{space.source}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} "
+                         f"of {adapter.name} {adapter.version}".rstrip())
+    overrides.update(parse_set_options(sets))
+    return space.narrowed(overrides)
+
+
 def build(opts: RunOptions) -> Plan:
     """Resolve and validate every input; raises ValueError (one line) on anything unusable."""
     objectives.metrics(opts.objective)
@@ -103,23 +123,10 @@ def build(opts: RunOptions) -> Plan:
         adapter.use_binary(opts.engine_binary)
     if not adapter.installed():
         raise ValueError(adapter.missing())
-    space = load_space(opts.engine)
-    overrides: dict = {}
-    if opts.space:
-        data = load_overrides(opts.space)
-        if "parameters" in data:
-            space = parse_space(data, source=opts.space)
-        else:
-            overrides.update(data)
-    unknown = sorted(set(space.params) - adapter.config_keys())
-    if unknown:
-        raise ValueError(f"{space.source}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} "
-                         f"of {adapter.name} {adapter.version}".rstrip())
-    overrides.update(parse_set_options(opts.sets))
-    space = space.narrowed(overrides)
+    space = user_space(adapter, opts.space, opts.sets)
     hardware = probe(opts.gpu)
     model = predict.load_model(opts.model)  # None: the bundled SmolLM2
-    shape = constraints.ModelShape.of(model)
+    shape = constraints.ModelShape.of(model, predict.draft_kind(opts.draft_model) if opts.draft_model else None)
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model, adapter=adapter)
     space = fit_space(space, hardware, opts.concurrency)  # device knobs, native units, load-matched sizes
