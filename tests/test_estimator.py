@@ -1,7 +1,9 @@
 """The draft-length estimator: fit on synthetic acceptance with known alpha, the standalone module, the
-engine applying a produced estimator.json per request, one-line errors."""
+engine applying a produced estimator.json per request, one-line errors; the runtime stop rule fitted on
+synthetic traces with a known cut, exported, and applied by a live engine."""
 import importlib.util
 import json
+import math
 import random
 import subprocess
 import sys
@@ -280,3 +282,116 @@ def test_metrics_text_of_the_embedded_server_gives_the_acceptance_of_its_usage(e
     plain = {name: float(value) for name, value in
              (line.split() for line in after.splitlines() if line and not line.startswith("#"))}
     assert plain == parse_prometheus(after) and "autotune_spec_accept_length" in plain
+
+
+# -- the runtime stop rule (issue 17) ----------------------------------------------------------------------
+PLAIN_S, DRAFT_PASS, VERIFY_STEP = 0.05, 0.3, 0.1  # seconds of a plain step; a draft pass and each verify token
+CUT = 2.0  # synthetic truth: a proposal is accepted iff its draft entropy is below CUT
+
+
+def traced_rows(ks=(0, 1, 2, 3, 4, 5, 6), steps=40, seed=0) -> pd.DataFrame:
+    """A collection pass as collect() records it: each prompt x temperature at every k, every step traced;
+    entropies uniform on 0..4 (top-1 probabilities unrelated noise), accepted while below CUT; a draft pass
+    costs DRAFT_PASS plain steps and a verify pass w tokens wide 1 + VERIFY_STEP (w - 1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for prompt in PROMPTS:
+        for temperature in TEMPERATURES:
+            for k in ks:
+                trace = []
+                for _ in range(steps if k else 0):
+                    entropy = rng.uniform(0, 4, k).round(4)
+                    accepted = next((j for j in range(k) if entropy[j] >= CUT), k)
+                    trace.append([entropy.tolist(), rng.uniform(0, 1, k).round(4).tolist(), accepted])
+                accepted = sum(t[2] for t in trace)
+                rows.append({"text": prompt, "temperature": temperature, "top_p": 1.0, "k": k,
+                             "spec_verify_steps": steps, "spec_draft_tokens": steps * k, "spec_accepted_tokens": accepted,
+                             "spec_rejections": sum(t[2] < k for t in trace), "spec_draft_trace": json.dumps(trace),
+                             "spec_draft_seconds": steps * k * DRAFT_PASS * PLAIN_S,
+                             "spec_verify_seconds": steps * (1 + VERIFY_STEP * k) * PLAIN_S})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def stop_fitted():
+    return fit(traced_rows())
+
+
+def test_stop_rule_fit_finds_the_cut_and_pays_over_every_fixed_k(stop_fitted):
+    from autotune.estimator.stop import replay, step_arrays
+
+    rule, costs = stop_fitted.info["stop_rule"], stop_fitted.info["width_costs"]
+    assert costs["draft"] == pytest.approx(DRAFT_PASS, rel=1e-3)  # measured from the rows, not assumed
+    assert all(costs["verify"][str(w)] == pytest.approx(1 + VERIFY_STEP * (w - 1), rel=1e-3) for w in range(1, 8))
+    assert rule["signal"] == "entropy"  # the top-1 probabilities carry no information here
+    assert rule["auc"]["entropy"] > 0.99 and 0.4 < rule["auc"]["doubt"] < 0.6
+    assert all(CUT - 0.45 <= t <= CUT + 0.05 for t in rule["thresholds"]), rule["thresholds"]
+    # with a perfect stop, a cap past the usual run of accepts changes little: long caps, never none
+    assert all(k >= 3 for row in stop_fitted.primary.k_table for k in row) and min(rule["caps"]) >= 3
+    curve = rule["curve"]["entropy"]
+    assert curve[0]["accept"] == 1.0 and curve[-1]["accept"] == 0.0  # acceptance falls with entropy
+    # replayed on the same steps, the rule beats the best fixed k (no stop): +9 % with these costs
+    rows = traced_rows().reset_index(drop=True)
+    risk, proposed, accepted, request = step_arrays(rows, "entropy", 6)
+    cost_table = {"verify": {int(w): c for w, c in costs["verify"].items()}, "draft": costs["draft"]}
+    six = rows["k"].to_numpy()[request] == 6
+    speed = {k: np.divide(*replay(risk[six], proposed[six], accepted[six], math.inf, k, cost_table)) for k in range(7)}
+    ruled = np.divide(*replay(risk[six], proposed[six], accepted[six], rule["thresholds"][0], 6, cost_table))
+    assert ruled > 1.05 * max(speed.values()), (ruled, speed)
+    assert rule["expected_speedup"][0] == pytest.approx(ruled, rel=0.05)
+
+
+def test_stop_rule_is_exported_to_the_module_the_engine_and_the_deployed_engines(stop_fitted, tmp_path):
+    from autotune.engines.llamacpp import LlamaCppAdapter
+
+    path = stop_fitted.write(tmp_path)
+    doc, module, engine = json.loads(path.read_text()), load_standalone(tmp_path), load_estimator(str(path))
+    assert module.STOP_SIGNAL == engine.signal == doc["stop_rule"]["signal"] == "entropy"
+    for temperature, band in ((0.0, 0), (0.3, 1), (0.9, 2), (1.0, 2)):
+        features = {"temperature": temperature, "top_p": 1.0, "prompt_text": PROMPTS[1]}
+        assert module.stop_above(features) == engine.stop_above(features) == doc["stop_rule"]["thresholds"][band]
+        assert module.draft_length(features) == engine(features) == stop_fitted.draft_length(PROMPTS[1], temperature)
+    settings = doc["engine_settings"]
+    doubt = doc["stop_rule"]["alternatives"]["doubt"]["thresholds"][0]
+    llama = settings["llamacpp"]["settings"]
+    cap = max(k for row in doc["k_table"] + doc["fallback"]["k_table"] for k in row)
+    assert llama == {"spec_draft_n_max": cap, "spec_draft_n_min": 0,
+                     "spec_draft_p_min": 0.0 if doubt is None else round(1 - doubt, 4)}
+    adapter = LlamaCppAdapter()
+    config = {"spec_type": "draft-simple", **llama}
+    assert adapter.check(config, has_draft_model=True) == []
+    argv, _ = adapter.command(config, model="m.gguf", draft_model="d.gguf", host="127.0.0.1", port=8080)
+    assert adapter.validate_flags(argv) == [] and "--spec-draft-p-min" in argv
+    assert settings["sglang"]["settings"] == {"speculative_num_steps": cap, "speculative_num_draft_tokens": cap + 1,
+                                              "speculative_eagle_topk": 1}
+    assert settings["vllm"]["settings"] == {"num_speculative_tokens": cap}
+    assert all("stop rule" in settings[e]["not_applied"] for e in ("sglang", "vllm"))
+
+
+@pytest.mark.slow
+def test_engine_stops_drafting_above_the_threshold_and_greedy_output_is_unchanged(tmp_path, start_embedded_server):
+    """quantized_self with a stop rule at entropy 1.0: over HTTP, every proposal the rule lets through has a
+    draft entropy at or below 1.0 and some steps stop before the cap, while the same request with the rule off
+    (draft_length given) proposes above it; the greedy text is the same with the rule on, off, and at k = 0."""
+    threshold, cap = 1.0, 6
+    estimator = tmp_path / "estimator.json"
+    estimator.write_text(json.dumps({"feature": "prompt_tokens", "thresholds": [], "temperature_edges": [],
+                                     "k_table": [[cap]], "stop_rule": {"signal": "entropy", "temperature_edges": [],
+                                                                       "thresholds": [threshold]}}))
+    server = start_embedded_server(drafter="quantized_self", draft_policy="estimator", draft_estimator=str(estimator),
+                                   max_seq_len=512, threads=1)
+
+    def complete(**extra):
+        body = {"prompt": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n", "max_tokens": 40,
+                "temperature": 0.0, "ignore_eos": True, "draft_trace": True}
+        return httpx.post(server.url + "/v1/completions", json=body | extra, timeout=300).json()
+
+    on, off, plain = complete(), complete(draft_length=cap), complete(draft_length=0)
+    ruled, free = on["usage"]["spec_draft_trace"], off["usage"]["spec_draft_trace"]
+    assert all(e <= threshold for entropies, _, _ in ruled for e in entropies)
+    assert any(len(entropies) < cap for entropies, _, _ in ruled[:-2])  # stopped early (the last steps near max_tokens)
+    assert all(len(entropies) == cap for entropies, _, _ in free[:-2])
+    assert any(e > threshold for entropies, _, _ in free for e in entropies)
+    assert on["usage"]["spec_draft_tokens"] < off["usage"]["spec_draft_tokens"]
+    assert on["choices"][0]["text"] == off["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert "spec_draft_trace" not in complete(draft_trace=False)["usage"]
