@@ -1,8 +1,10 @@
 """Run an engine server as a real subprocess: start, wait until ready, classify failures, stop.
 
 The server gets its own process group (engines fork workers: tokenizer, detokenizer, TP ranks), so
-stopping it signals the whole group: SIGTERM, a grace period, then SIGKILL. Never a shell: argv goes
-straight to exec. Output goes to one log file per launch, which is also what failures are read from.
+stopping it signals the whole group: SIGTERM (and SIGCONT: a stopped process acts on SIGTERM only once
+continued), a grace period, then SIGKILL; `kill()` is SIGKILL at once, for a server that hangs. Never a
+shell: argv goes straight to exec. Output goes to one log file per launch, which is also what failures
+are read from.
 
 Ports: `free_port()` keeps the port it picks bound (not listening) in this process until the server
 meant for it is up, so no other process's bind(0) or outgoing connection can take it in between (a
@@ -183,10 +185,22 @@ class Launcher:
         self._stopping = True
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP, SIGTSTP) process would not see the SIGTERM
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (self.proc.poll() is None or _group_alive(pgid)):
             time.sleep(0.05)
         _signal_group(pgid, signal.SIGKILL)  # stragglers that ignored SIGTERM (or outlived the leader)
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): report, do not hang the study
+            return None
+
+    def kill(self) -> int | None:
+        """SIGKILL the process group now (it also ends stopped processes); the exit code."""
+        if self.proc is None:
+            return None
+        self._stopping = True
+        _signal_group(self.proc.pid, signal.SIGKILL)
         try:
             return self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:  # unkillable (D state): report, do not hang the study

@@ -14,6 +14,7 @@ and a positive `slo` constraint.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,11 @@ from autotune.study.plan import Plan
 # time out and the trial is pruned: a hopeless configuration costs seconds, not the client's 2 minutes.
 QUICK_TIMEOUT_FACTOR = 3.0
 QUICK_TIMEOUT_FLOOR_S = 10.0
+# The full benchmark's deadline: this many times what the quick wave's pace predicts for it. An engine that
+# hangs mid-benchmark (alive, answering nothing) is killed there and the trial fails with failure_kind
+# "timeout", instead of every request waiting out the client's 2 minutes in turn.
+BENCH_DEADLINE_FACTOR = 3.0
+BENCH_DEADLINE_FLOOR_S = 30.0
 
 
 class Servers:
@@ -169,7 +175,8 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
                 return finish(TrialState.PRUNED, status=record.PRUNED,
                               failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
         view.phase(trial.number, "benchmarking")
-        summary, requests = measure(p, servers, opts.num_requests)
+        attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(p, quick)
+        summary, requests = measure(p, servers, opts.num_requests, deadline_s=deadline)
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=e.kind, failure=str(e))
@@ -216,16 +223,45 @@ def quick_timeout(study: optuna.Study, defaults: dict) -> tuple[float | None, st
     return max(QUICK_TIMEOUT_FLOOR_S, QUICK_TIMEOUT_FACTOR * seconds), f"{which} trial {ref.number}'s {seconds:.1f} s"
 
 
-def measure(p: Plan, servers: Servers, num_requests: int | None, request_timeout: float | None = None):
+def bench_deadline(p: Plan, quick: dict) -> float:
+    """Seconds the full benchmark may take: BENCH_DEADLINE_FACTOR x the quick wave's time per request x its size."""
+    quick_n = p.opts.quick_requests or _quick_size(p)
+    full_n = p.opts.num_requests or len(p.workload.requests)  # what run_benchmark sends when not told
+    return max(BENCH_DEADLINE_FLOOR_S, BENCH_DEADLINE_FACTOR * quick["duration_s"] * full_n / quick_n)
+
+
+def measure(p: Plan, servers: Servers, num_requests: int | None, request_timeout: float | None = None,
+            deadline_s: float | None = None):
     """One benchmark run against the current server: (summary, per-request frame); raises
-    BenchFailure when the server dies."""
+    BenchFailure when the server dies, or ("timeout") when it is still running at deadline_s: then the
+    server's process group is killed, which ends every request in flight (a stopped engine included)."""
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        servers.server.kill()
+
+    watchdog = threading.Timer(deadline_s, expire) if deadline_s else None
+    if watchdog:
+        watchdog.daemon = True
+        watchdog.start()
+    failure = None
     try:
         summary, requests = measure_server(servers.server, p.workload, concurrency=p.opts.concurrency,
                                            num_requests=num_requests, max_tokens=p.opts.max_tokens, seed=p.opts.seed,
                                            request_timeout=request_timeout)
     except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
         kind = "crash" if not servers.alive() else "bench"
-        raise BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        failure = BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        if watchdog:
+            watchdog.cancel()
+    if expired.is_set():
+        raise BenchFailure("timeout", f"benchmark still running at its deadline, {deadline_s:.0f} s "
+                           f"({BENCH_DEADLINE_FACTOR:g}x what the quick wave predicts): the engine's process group "
+                           f"was killed (see {servers.server.log_path})")
+    if failure:
+        raise failure
     if not servers.alive():
         raise BenchFailure("crash", f"server exited during the benchmark (see {servers.server.log_path})")
     return summary, requests

@@ -1,0 +1,105 @@
+"""The tuner facing an engine that hangs mid-benchmark (alive, answering nothing): a real `autotune serve`
+launched by the study is stopped with SIGSTOP while its full benchmark is in flight. The trial must end at
+its deadline with the reason recorded, the engine's process group must be gone (SIGKILL: a stopped process
+never acts on SIGTERM), and the next trial must launch on a free port and measure."""
+import os
+import shlex
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.study import loop, plan, record
+from autotune.study import trial as trial_life
+
+SMALL = {"workload": "code", "num_requests": 4, "quick_requests": 2, "concurrency": 2, "max_tokens": 8, "live": False}
+# One launch configuration but for verify_slots, so the second trial is a new effective config (not a duplicate).
+SETS = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256", "dtype=float32",
+        "quantization=none", "compile=none", "threads=1", "draft_length=3", "verify_slots=4,3"]
+
+
+def running_requests(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("autotune_requests_running "))
+
+
+def stop_mid_benchmark(p: plan.Plan, stopped: dict, deadline_s: float = 600.0):
+    """Once trial 0 has reported its quick measurement (an intermediate value in the study's storage) and its
+    server has requests of the full benchmark in flight (/metrics), SIGSTOP the server's process group."""
+    log = p.directory / "logs" / "trial-0.log"
+    give_up = time.monotonic() + deadline_s
+    while time.monotonic() < give_up:
+        if not log.exists():  # not launched yet; before that the study may not exist (opening it would create it)
+            time.sleep(0.05)
+            continue
+        trial = optuna.load_study(study_name=p.name, storage=p.storage).get_trials()[0]
+        if trial.intermediate_values:
+            argv = shlex.split(log.read_text(errors="replace").splitlines()[0][2:])
+            url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+            if running_requests(url) >= 1:
+                pid = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid) == argv)
+                os.killpg(pid, signal.SIGSTOP)
+                stopped.update(pgid=pid, port=argv[argv.index("--port") + 1], at=time.time())
+                return
+        time.sleep(0.05)
+
+
+def _cmdline(pid: str) -> list[str] | None:
+    try:
+        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except OSError:
+        return None
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.slow
+def test_engine_stopped_mid_benchmark_ends_the_trial_at_its_deadline_and_the_next_one_measures(tmp_path):
+    p = plan.build(plan.RunOptions(trials=2, study="hang", studies_root=str(tmp_path), sets=SETS, **SMALL))
+    stopped: dict = {}
+    stopper = threading.Thread(target=stop_mid_benchmark, args=(p, stopped), daemon=True)
+    stopper.start()
+    try:
+        outcome = loop.run_study(p)
+    finally:
+        if stopped.get("pgid") and group_alive(stopped["pgid"]):  # the behaviour under test failed: clean up
+            os.killpg(stopped["pgid"], signal.SIGKILL)
+    stopper.join(5)
+    assert stopped, "trial 0's full benchmark was never seen in flight"
+    hung, *rest = optuna.load_study(study_name=outcome.name, storage=outcome.storage).get_trials()
+
+    # Ended at its deadline, with the reason recorded.
+    attrs = hung.user_attrs
+    assert hung.state == TrialState.PRUNED and hung.constraints["feasible"] > 0
+    assert attrs["status"] == record.FAILED and attrs["failure_kind"] == "timeout"
+    assert "benchmark still running at its deadline" in attrs["failure"] and "process group was killed" in attrs["failure"]
+    deadline = attrs["timings"]["bench_deadline_s"]
+    quick_n, full_n = SMALL["quick_requests"], SMALL["num_requests"]
+    assert deadline == max(trial_life.BENCH_DEADLINE_FLOOR_S,
+                           trial_life.BENCH_DEADLINE_FACTOR * attrs["quick"]["duration_s"] * full_n / quick_n)
+    timings = attrs["timings"]
+    benchmarked = timings["total_s"] - sum(timings.get(k) or 0 for k in ("launch_s", "warmup_s", "quick_s"))
+    assert deadline - 1 <= benchmarked < deadline + 15  # not each request's 2-minute client timeout in turn
+    assert 0 < hung.datetime_complete.timestamp() - stopped["at"] < deadline + 15
+
+    # The process group is gone: SIGKILL ended the stopped processes.
+    assert not group_alive(stopped["pgid"])
+
+    # The next trial launched (on a port free at the time) and measured.
+    nxt = next(t for t in rest if t.user_attrs.get("status") != record.DUPLICATE)
+    assert nxt.user_attrs["status"] == record.OK and nxt.user_attrs["launch"] == "launched", nxt.user_attrs
+    assert nxt.user_attrs["metrics"]["completed"] == full_n
+    assert nxt.user_attrs["config"]["verify_slots"] != attrs["config"]["verify_slots"]
+    assert outcome.launches == 2
