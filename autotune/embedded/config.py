@@ -6,11 +6,14 @@ DRAFT_POLICIES = ("fixed", "adaptive", "estimator")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
+# fixed: every decode/verify step runs at one padded shape, so greedy output on CUDA does not depend on
+# the draft length or the concurrency (bit-identical with and without speculation); bucketed: faster.
+STEP_SHAPES = ("bucketed", "fixed")
 MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
 RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
 CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
-           "compile": COMPILE_BACKENDS}
+           "compile": COMPILE_BACKENDS, "step_shape": STEP_SHAPES}
 
 
 @dataclass
@@ -32,6 +35,7 @@ class EngineConfig:
     quantization: str = "none"  # of the target: int8 weight-only, or gguf (the GGUF's own blocks, CPU)
     compile: str = "none"
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
+    step_shape: str = "bucketed"  # fixed = exact greedy verification on CUDA (runner.py), at a cost
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_seq_len: int = 2048  # KV cache length per slot
