@@ -41,7 +41,8 @@ def serve(
     drafter: str = typer.Option(_SERVE_DEFAULTS.drafter, help=" | ".join(_engine_config.DRAFTERS)),
     draft_length: int = typer.Option(_SERVE_DEFAULTS.draft_length, help="tokens proposed per verify step (k)"),
     draft_policy: str = typer.Option(_SERVE_DEFAULTS.draft_policy, help=" | ".join(_engine_config.DRAFT_POLICIES)),
-    draft_estimator: str = typer.Option(None, help="estimator.json for --draft-policy estimator"),
+    draft_estimator: str = typer.Option(None, help="estimator.json (per-request cap + stop rule) or draft_length_estimator.py "
+                                        "for --draft-policy estimator"),
     early_exit_layers: int = typer.Option(_SERVE_DEFAULTS.early_exit_layers, help="layers for --drafter early_exit"),
     ngram_min: int = typer.Option(_SERVE_DEFAULTS.ngram_min, help="shortest prompt-lookup match"),
     ngram_max: int = typer.Option(_SERVE_DEFAULTS.ngram_max, help="longest prompt-lookup match"),
@@ -509,8 +510,11 @@ def estimator_fit(
     collect: bool = typer.Option(True, help="without per-request data in the study, collect it on a live embedded server"),
     drafter: str = typer.Option("ngram", help="drafter of the collection pass"),
     data: str = typer.Option(None, help="fit on this parquet of per-request rows (a saved collection pass) instead"),
+    stop_rule: bool = typer.Option(True, help="fit the runtime stop rule: where the study's rows carry no proposal "
+                                   "traces, run a short traced collection pass of its setup on the embedded engine"),
 ):
-    """Fit alpha per prompt-feature bucket x temperature band, c, and the best k; write the estimator."""
+    """Fit the per-request cap (k per prompt-feature bucket x temperature band) and, from each proposed token's
+    draft entropy and acceptance, the runtime stop rule; write estimator.json and the standalone module."""
     from pathlib import Path
 
     import pandas as pd
@@ -525,7 +529,7 @@ def estimator_fit(
             path = fitted.write(Path(out or _study_path(study)))
         else:
             path = est.fit_from_study(_study_path(study), out, collect_if_missing=collect,
-                                      config={"drafter": drafter, "draft_length": 4})
+                                      config={"drafter": drafter, "draft_length": 4}, stop_rule=stop_rule)
     except _estimator_errors() as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -538,6 +542,12 @@ def estimator_fit(
     for cell in doc["buckets"]:
         typer.echo(f"  temperature {cell['temperature']} {doc['feature']} {cell[doc['feature']]}: "
                    f"{cell['requests']} requests, alpha {cell['alpha']} ({cell['alpha_from']}), k {cell['k']}")
+    rule = doc.get("stop_rule")
+    if rule:
+        typer.echo(f"stop rule: draft {rule['signal']} above {rule['thresholds']} (per temperature band; null: never), "
+                   f"AUC {rule['auc']} on {rule['tokens']} tokens, replayed speedup over plain {rule['expected_speedup']}")
+        for engine, applied in doc["engine_settings"].items():
+            typer.echo(f"  {engine} {applied['version']}: {applied['settings']}; not applied: {applied['not_applied']}")
     typer.echo(f"wrote {path} and {path.with_name('draft_length_estimator.py')}")
 
 

@@ -11,6 +11,7 @@ where they exist; otherwise the per-trial summaries stand in, and the section sa
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import shlex
 import warnings
@@ -213,6 +214,36 @@ def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFr
     return fig
 
 
+def fig_stop_rule(ctx: StudyContext):
+    """The fitted estimator's acceptance-vs-draft-entropy curve and its stop threshold per temperature band
+    (estimator.json's stop_rule), with the held-out evaluation's gain where it ran."""
+    path = ctx.directory / "estimator.json"
+    rule = json.loads(path.read_text()).get("stop_rule") if path.exists() else None
+    if not rule:
+        return "no stop rule was fitted (no estimator.json with traced proposals in this study)"
+    signal = rule["signal"]  # entropy (nats) or doubt (1 - top-1 probability) of the draft's distribution
+    curve = rule["curve"][signal]
+    fig = go.Figure()
+    fig.add_scatter(x=[(c["risk"][0] + c["risk"][1]) / 2 for c in curve], y=[c["accept"] for c in curve],
+                    mode="lines+markers", name="acceptance (tokens up to a step's first rejection)",
+                    text=[f"{c['tokens']} tokens" for c in curve], marker={"color": _color(0)})
+    edges = rule["temperature_edges"]
+    bands = [f"T <= {edges[0]}", *(f"{lo} < T <= {hi}" for lo, hi in itertools.pairwise(edges)), f"T > {edges[-1]}"] \
+        if edges else ["all temperatures"]
+    for b, (label, threshold) in enumerate(zip(bands, rule["thresholds"])):
+        if threshold is not None:  # None: that band never stops
+            fig.add_vline(x=threshold, line_dash=["solid", "dash", "dot"][b % 3], line_color=_color(b + 1),
+                          annotation_text=f"stop above {threshold:.2f} ({label})")
+    evaluated = ctx.directory / "estimator-eval" / "eval.json"
+    gain = json.loads(evaluated.read_text()) if evaluated.exists() else None
+    result = "" if not gain else (f"; held out: {1 + gain['gain']:.3f} x best fixed ({gain['best_fixed']}), 90 % "
+                                  f"{1 + gain['gain_interval_90'][0]:.3f}..{1 + gain['gain_interval_90'][1]:.3f}")
+    fig.update_layout(title=f"Draft acceptance vs draft {signal} (AUC {rule['auc'][signal]}{result})",
+                      xaxis_title="draft entropy (nats)" if signal == "entropy" else "draft doubt (1 - top-1 probability)",
+                      yaxis_title="acceptance rate", yaxis_range=[0, 1.05])
+    return fig
+
+
 def fig_latency(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame], validation: dict | None):
     winner = ((validation or {}).get("winner") or {}).get("trial")
     best = ctx.ranked()
@@ -293,7 +324,8 @@ def write_report(study: str | Path | StudyContext, *, storage: str | None = None
     frames = request_frames(ctx)
     builders = {"history": lambda: fig_history(ctx, df), "pareto": lambda: fig_pareto(ctx, df),
                 "importance": lambda: fig_importance(ctx, df), "draft_length": lambda: fig_draft_length(ctx, df),
-                "entropy": lambda: fig_entropy(ctx, df, frames), "latency": lambda: fig_latency(ctx, df, frames, validation)}
+                "entropy": lambda: fig_entropy(ctx, df, frames), "stop_rule": lambda: fig_stop_rule(ctx),
+                "latency": lambda: fig_latency(ctx, df, frames, validation)}
     figures = {}
     for name, build in builders.items():
         try:

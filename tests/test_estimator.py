@@ -395,3 +395,18 @@ def test_engine_stops_drafting_above_the_threshold_and_greedy_output_is_unchange
     assert on["usage"]["spec_draft_tokens"] < off["usage"]["spec_draft_tokens"]
     assert on["choices"][0]["text"] == off["choices"][0]["text"] == plain["choices"][0]["text"]
     assert "spec_draft_trace" not in complete(draft_trace=False)["usage"]
+
+
+def test_report_draws_the_acceptance_curve_with_the_chosen_thresholds(stop_fitted, tmp_path):
+    from types import SimpleNamespace
+
+    from autotune.report import fig_stop_rule
+
+    assert "no stop rule" in fig_stop_rule(SimpleNamespace(directory=tmp_path))
+    doc = json.loads(stop_fitted.write(tmp_path).read_text())
+    fig = fig_stop_rule(SimpleNamespace(directory=tmp_path))
+    curve = doc["stop_rule"]["curve"]["entropy"]
+    assert list(fig.data[0].y) == [c["accept"] for c in curve]
+    lines = sorted(shape.x0 for shape in fig.layout.shapes)
+    assert lines == sorted(t for t in doc["stop_rule"]["thresholds"] if t is not None)
+    assert "AUC" in fig.layout.title.text

@@ -1,5 +1,6 @@
 """The live embedded server that collection and evaluation measure on: launch it, the requests sent to
 it, one request, the text its model sees, a progress bar."""
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.bench import load_workload
 from autotune.embedded.bundled import bundled_gguf_path
+from autotune.embedded.config import EngineConfig
 from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import Launcher, launch
@@ -23,6 +25,12 @@ def serve(config: dict, log_dir: Path) -> Launcher:
     settings = {k: v for k, v in config.items() if k != "model"}
     return launch(EmbeddedAdapter(), settings, model=config.get("model"), log_path=log_dir / "server.log",
                   timeout_s=START_TIMEOUT_S)
+
+
+def measurable(config: dict) -> bool:
+    """Whether a setup runs on the embedded engine (collection and evaluation measure there): a study of
+    another engine hands its rows to the fit, but nothing can be collected or evaluated for it here."""
+    return set(config) <= {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def send(client, url: str, request: dict, **extra) -> dict:
