@@ -360,6 +360,7 @@ def test_stop_rule_is_exported_to_the_module_the_engine_and_the_deployed_engines
     adapter = LlamaCppAdapter()
     config = {"spec_type": "draft-simple", **llama}
     assert adapter.check(config, has_draft_model=True) == []
+    assert "is a probability" in adapter.check({**config, "spec_draft_p_min": 1.5}, has_draft_model=True)[0]
     argv, _ = adapter.command(config, model="m.gguf", draft_model="d.gguf", host="127.0.0.1", port=8080)
     assert adapter.validate_flags(argv) == [] and "--spec-draft-p-min" in argv
     assert settings["sglang"]["settings"] == {"speculative_num_steps": cap, "speculative_num_draft_tokens": cap + 1,
@@ -410,3 +411,30 @@ def test_report_draws_the_acceptance_curve_with_the_chosen_thresholds(stop_fitte
     lines = sorted(shape.x0 for shape in fig.layout.shapes)
     assert lines == sorted(t for t in doc["stop_rule"]["thresholds"] if t is not None)
     assert "AUC" in fig.layout.title.text
+
+
+@pytest.mark.slow
+def test_llama_server_applies_the_exported_cut_off(stop_fitted, tmp_path):
+    """The llama.cpp settings estimator.json exports run on the real llama-server: with the bundled GGUF drafting
+    for itself (draft-simple), its greedy confidence cut-off (spec_draft_p_min) drafts fewer tokens than no
+    cut-off at the same n_max, and the text is the same."""
+    from autotune.embedded.bundled import bundled_gguf_path
+    from autotune.engines.launcher import launch
+    from autotune.engines.llamacpp import LlamaCppAdapter, binary_version, find_binary
+
+    if not find_binary() or binary_version(find_binary()) is None:
+        pytest.skip("llama-server is not built here (bash setup.sh llamacpp)")
+    settings = json.loads(stop_fitted.write(tmp_path).read_text())["engine_settings"]["llamacpp"]["settings"]
+    model = str(bundled_gguf_path())
+    drafted, texts = {}, {}
+    for p_min in (0.0, 0.95):
+        config = {"spec_type": "draft-simple", **settings, "spec_draft_n_max": 8, "spec_draft_p_min": p_min,
+                  "threads": 1, "parallel": 1, "ctx_size": 1024}
+        with launch(LlamaCppAdapter(), config, model=model, draft_model=model, log_path=tmp_path / f"{p_min}.log",
+                    timeout_s=180) as server:
+            body = {"prompt": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n", "n_predict": 48,
+                    "temperature": 0.0, "ignore_eos": True}
+            doc = httpx.post(server.base_url + "/completion", json=body, timeout=300).json()
+        drafted[p_min], texts[p_min] = doc["timings"]["draft_n"], doc["content"]
+    assert 0 < drafted[0.95] < drafted[0.0], drafted
+    assert texts[0.95] == texts[0.0]

@@ -123,6 +123,9 @@ class LlamaCppAdapter(EngineAdapter):
         low, high = c.get("spec_draft_n_min", 0), c.get("spec_draft_n_max", 3)
         if spec in DRAFTS_WITH_MODEL and low > high:  # n-gram types do not read them
             out.append(f"spec_draft_n_min {low} must be <= spec_draft_n_max {high}")
+        p_min = c.get("spec_draft_p_min", 0.0)  # the greedy confidence cut-off (the estimator's stop rule)
+        if spec in DRAFTS_WITH_MODEL and not 0 <= p_min <= 1:
+            out.append(f"spec_draft_p_min {p_min} is a probability: needs 0 <= p_min <= 1")
         if c.get("ubatch_size", 512) > c.get("batch_size", 2048):
             out.append(f"ubatch_size {c.get('ubatch_size', 512)} must be <= batch_size {c.get('batch_size', 2048)}")
         for key in ("cache_type_v", "spec_draft_type_v"):
