@@ -5,7 +5,8 @@
 
 Starts `autotune serve` on 127.0.0.1 (a free port) and sends, all within the first --spread seconds:
   clients      streaming completions and chats (alternated; temperature 0 and 0.7), all in flight at once
-  malformed    bodies the server must refuse with 400 (MALFORMED: the issue's kinds and more), spread out
+  malformed    bodies the server must refuse with 400 (MALFORMED: the issue's kinds and more), spread out,
+               sent and timed from a process of their own
   disconnects  streams whose client hangs up after the first token (the server must free the slot)
   long         chats without max_tokens (the rest of the context, ignore_eos): only --request-timeout ends them
 Every client is bounded (--client-timeout); the whole run by --time-limit. It reports completed/failed
@@ -22,6 +23,7 @@ this load.
 import argparse
 import asyncio
 import json
+import multiprocessing
 import platform
 import random
 import subprocess
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -120,6 +123,18 @@ async def malformed(client: httpx.AsyncClient, kind: str, bound: float):
     return rec
 
 
+def send_malformed(url: str, schedule: list[tuple[float, str]], bound: float) -> list[dict]:
+    """In a process of its own: the malformed bodies, each at its start time. Timed there, because the main
+    process's event loop, busy with hundreds of streams on a shared CPU, adds seconds of its own delay."""
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=bound) as client:
+            async def one(delay: float, kind: str):
+                await asyncio.sleep(delay)
+                return await malformed(client, kind, bound)
+            return await asyncio.gather(*(one(delay, kind) for delay, kind in schedule))
+    return asyncio.run(run())
+
+
 def good_body(i: int, max_tokens: int) -> tuple[str, dict]:
     temperature = 0.0 if i % 4 < 2 else 0.7
     if i % 2:
@@ -142,8 +157,6 @@ async def traffic(url: str, args, progress: Progress) -> list[dict]:
         for i in range(args.clients):
             path, body = good_body(i, args.max_tokens)
             jobs.append((0.0, "clients", partial(stream, client, "client", i, body, path, False, bound)))
-        for i in range(args.malformed):
-            jobs.append((rng.uniform(0, args.spread), "malformed", partial(malformed, client, kinds[i % len(kinds)], bound)))
         for i in range(args.disconnects):
             path, body = good_body(i, 200)
             jobs.append((rng.uniform(0, args.spread), "disconnects", partial(stream, client, "disconnect", i, body, path,
@@ -159,7 +172,13 @@ async def traffic(url: str, args, progress: Progress) -> list[dict]:
             progress.advance(tasks[task])
             return rec
 
-        return await asyncio.wait_for(asyncio.gather(*(run(*job) for job in jobs)), args.time_limit)
+        schedule = [(rng.uniform(0, args.spread), kinds[i % len(kinds)]) for i in range(args.malformed)]
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            refused = asyncio.get_running_loop().run_in_executor(pool, send_malformed, url, schedule, bound)
+            records = await asyncio.wait_for(asyncio.gather(*(run(*job) for job in jobs), refused), args.time_limit)
+        if args.malformed:
+            progress.advance(tasks["malformed"], args.malformed)
+        return records[:-1] + records[-1]
 
 
 def scrape(url: str) -> dict:
