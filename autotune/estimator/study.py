@@ -60,12 +60,15 @@ def fit_from_study(study_dir: str | Path, out: str | Path | None = None, *, coll
 
 
 def evaluate_for_study(estimator_path: str | Path) -> Path | None:
-    """`autotune run`'s last step: the fitted estimator (k table + stop rule) against every fixed k of its
-    table and k = 0 on the held-out mixed workload, briefly (EVAL_PASS). Returns eval.json's path; None where
+    """`autotune run`'s last step: the fitted estimator (k table + stop rule) against every fixed k its traced
+    pass measured (else its table's) and k = 0 on the held-out mixed workload, briefly (EVAL_PASS). Returns eval.json's path; None where
     the study's setup is another engine's (nothing to measure it on here)."""
     path = Path(estimator_path)
-    if not measurable(json.loads(path.read_text())["engine_config"]):
+    doc = json.loads(path.read_text())
+    if not measurable(doc["engine_config"]):
         return None
+    measured = (doc.get("width_costs") or {}).get("measured_widths") or []
+    fixed = [w - 1 for w in measured if w > 1] or None  # every k the traced pass measured (None: the table's)
     with live_errors_as_value_errors("evaluation"):
-        evaluate(path, path.parent / "estimator-eval", **EVAL_PASS)
+        evaluate(path, path.parent / "estimator-eval", fixed=fixed, **EVAL_PASS)
     return path.parent / "estimator-eval" / "eval.json"
