@@ -1,6 +1,6 @@
 """How good are autotune's PREDICTED speeds? Prediction against measurement, shown honestly.
 
-    python3 benchmarks/bench_predict_accuracy.py            # CPU grid + public measurements
+    python3 benchmarks/bench_predict_accuracy.py            # CPU grid + public measurements + H200
     python3 benchmarks/bench_predict_accuracy.py --json out.json
 
 1. This machine: the embedded engine's measured grid (benchmarks/data/grid_embedded_code.csv, written by
@@ -11,8 +11,13 @@
    calibrated on the other rows, the held-out row's accept length hidden (its drafter's alpha comes from
    the other rows); and the peer in the same run: predicting the mean of the other rows (leave-one-out).
    Spearman rank correlation says whether the model orders configurations right (what ranking needs).
-2. Public measurements (cited in PUBLIC below): single-stream decode tok/s on H100 from SGLang's docs,
-   predicted with the priors only (nothing here was fitted to them).
+2. Public measurements (benchmarks/data/predict_accuracy.yaml, each with its source URL): single-stream
+   decode tok/s from SGLang's docs (H100) and gpt-fast's README (A100, 1-8 GPUs), predicted with the
+   priors only: held out entirely, nothing was fitted to them.
+3. The H200 (benchmarks/results/h200-2026-11-29, h200-2026-12-01): the embedded engine's single-stream
+   measurements, grouped by launch (the server configuration they ran on). Priors, and leave-one-launch-
+   group-out: calibrated on every other group, each group predicted with its accept lengths hidden; the
+   peer is the mean speed of the other groups.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from autotune import PROJECT_ROOT
 from autotune.engines import get_adapter
@@ -30,31 +36,7 @@ from autotune.predict import Calibration, calibration, load_model, predict_speed
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
 LOAD = {"concurrency": 4, "num_requests": 4, "output_tokens": 32}  # the grid's load (its header)
-
-# Single-stream decode tok/s measured by others, each with where it was published.
-SGLANG_DOCS = "https://docs.sglang.ai/advanced_features/speculative_decoding.html"
-SGLANG_DOCS_2025_02 = "https://github.com/sgl-project/sgl-project.github.io (docs snapshot of 2025-02, 'Speculative Decoding')"
-PUBLIC = [
-    # "Performance Highlights": LLaMA-Instruct 3.1 8B, MT bench, 1x H100. The table does not restate
-    # the flags; the EAGLE-2/EAGLE-3 examples on the same page use steps 3 topk 4 tokens 16 and
-    # steps 5 topk 8 tokens 32, assumed here.
-    {"source": SGLANG_DOCS, "model": "llama-3.1-8b", "gpu": "h100-sxm5", "measured": 158.34,
-     "config": {"tp_size": 1}},
-    {"source": SGLANG_DOCS, "model": "llama-3.1-8b", "gpu": "h100-sxm5", "measured": 244.10,
-     "config": {"tp_size": 1, "speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
-                "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16}},
-    {"source": SGLANG_DOCS, "model": "llama-3.1-8b", "gpu": "h100-sxm5", "measured": 373.25,
-     "config": {"tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 5,
-                "speculative_eagle_topk": 8, "speculative_num_draft_tokens": 32}},
-    # Llama-2-7b-chat on one H100: "Standard SGLang Decoding: ~156 tokens/s", "EAGLE Decoding in
-    # SGLang: ~297 tokens/s" with --speculative-num-steps 5 --speculative-eagle-topk 8
-    # --speculative-num-draft-tokens 64 (the command on that page).
-    {"source": SGLANG_DOCS_2025_02, "model": "llama-2-7b", "gpu": "h100-sxm5", "measured": 156.0,
-     "config": {"tp_size": 1}},
-    {"source": SGLANG_DOCS_2025_02, "model": "llama-2-7b", "gpu": "h100-sxm5", "measured": 297.0,
-     "config": {"tp_size": 1, "speculative_algorithm": "EAGLE", "speculative_num_steps": 5,
-                "speculative_eagle_topk": 8, "speculative_num_draft_tokens": 64}},
-]
+MEASURED = yaml.safe_load((PROJECT_ROOT / "benchmarks" / "data" / "predict_accuracy.yaml").read_text())
 
 
 def code_prompt_tokens() -> int:
@@ -109,13 +91,42 @@ def cpu_grid() -> dict:
 
 
 def public() -> list[dict]:
-    out, sglang = [], get_adapter("sglang")
-    for case in PUBLIC:
-        s = predict_speed(load_model(case["model"]), case["config"], get_profile(case["gpu"]), 1, engine=sglang,
-                          context_len=512)
+    out = []
+    for case in MEASURED["public"]:
+        config = {"dtype": "bfloat16", **case["config"]} if case["engine"] == "embedded" else case["config"]
+        gpus = get_adapter(case["engine"]).tp_size(config)
+        s = predict_speed(load_model(case["model"]), config, get_profile(case["gpu"]), gpus,
+                          engine=get_adapter(case["engine"]), context_len=512)
         out.append({**case, "predicted": round(s.single_tok_s, 1), "tokens_per_step": round(s.tokens_per_step, 2),
-                    "error_pct": round((s.single_tok_s / case["measured"] - 1) * 100, 1)})
+                    "bound": s.bound, "error_pct": round((s.single_tok_s / case["measured"] - 1) * 100, 1)})
     return out
+
+
+def h200() -> dict:
+    """Priors and leave-one-launch-group-out calibration on the H200 rows."""
+    data, embedded = MEASURED["h200"], get_adapter("embedded")
+    model, profile = load_model(data["model"]), get_profile(data["gpu"])
+    trials = [{"config": {"dtype": "bfloat16", **r["config"]}, "concurrency": 1, "decode_tok_s": r["measured"],
+               "accept_length": r.get("accept_length"), "context_len": data["context_len"], "group": r["group"],
+               "source": r["source"]} for r in data["rows"]]
+    groups = sorted({t["group"] for t in trials})
+    rows = []
+    for group in groups:
+        train = [t for t in trials if t["group"] != group]
+        cal = Calibration.fit(train, model, profile, engine=embedded)
+        peer = statistics.mean(t["decode_tok_s"] for t in train)
+        for t in (t for t in trials if t["group"] == group):
+            hidden = {**t, "accept_length": None}  # the drafter's alpha from the other groups (or its prior)
+            rows.append({"group": group, "source": t["source"], "config": t["config"], "measured": t["decode_tok_s"],
+                         "prior": predict_trial(t, model, profile, engine=embedded),
+                         "held_out": predict_trial(hidden, model, profile, engine=embedded, calibration=cal),
+                         "peer": peer})
+    err = lambda key: statistics.median(abs(r[key] / r["measured"] - 1) * 100 for r in rows)
+    full = Calibration.fit(trials, model, profile, engine=embedded)
+    return {"rows": rows, "groups": len(groups), "median_abs_pct_error": {k: err(k) for k in ("prior", "held_out", "peer")},
+            "spearman_vs_measured": {k: _spearman([r[k] for r in rows], [r["measured"] for r in rows])
+                                     for k in ("prior", "held_out")},
+            "calibration_all_groups": full.to_dict()}
 
 
 def main():
@@ -135,13 +146,22 @@ def main():
     rows = public()
     print("2. Public single-stream decode tok/s (priors only, nothing fitted to these):")
     for r in rows:
-        knobs = ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "tp_size") or "no speculation"
-        print(f"   {r['model']:13s} {r['gpu']:10s} {knobs:90s} measured {r['measured']:7.1f} "
-              f"predicted {r['predicted']:7.1f} ({r['error_pct']:+.1f} %, E={r['tokens_per_step']})")
-    print(f"   median |error| {statistics.median(abs(r['error_pct']) for r in rows):.1f} %; sources: "
+        knobs = ", ".join(f"{k}={v}" for k, v in r["config"].items()) or "no speculation"
+        print(f"   {r['model']:12s} {r['gpu']:15s} {knobs[:84]:84s} measured {r['measured']:7.1f} "
+              f"predicted {r['predicted']:7.1f} ({r['error_pct']:+.1f} %, E={r['tokens_per_step']}, {r['bound']})")
+    print(f"   median |error| {statistics.median(abs(r['error_pct']) for r in rows):.1f} % over {len(rows)}; sources: "
           + "; ".join(sorted({r["source"] for r in rows})))
+    gpu = h200()
+    print(f"3. H200, embedded engine, SmolLM2-135M, batch 1: {len(gpu['rows'])} measurements in {gpu['groups']} launch groups")
+    for r in gpu["rows"]:
+        knobs = ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "dtype")
+        print(f"   {r['group']:22s} {knobs[:70]:70s} measured {r['measured']:6.1f} prior {r['prior']:6.1f} "
+              f"held-out {r['held_out']:6.1f}")
+    print("   median |error| " + ", ".join(f"{k} {v:.1f} %" for k, v in gpu["median_abs_pct_error"].items())
+          + ";  Spearman " + ", ".join(f"{k} {v:+.2f}" for k, v in gpu["spearman_vs_measured"].items()))
+    print(f"   fitted on all groups: {json.dumps(gpu['calibration_all_groups']['coefficients'])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu_grid": grid, "public": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"cpu_grid": grid, "public": rows, "h200": gpu}, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,19 @@ from autotune.embedded import config as engine_config
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.engines.base import EngineAdapter, schema_errors
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
+from autotune.predict.speed import KERNELS_PER_LAYER
 
 CHOICES = engine_config.CHOICES
 DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
 DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
                "draft_model")
 SERVE_ONLY = {"host": str, "port": int, "log_level": str}  # serve flags that are not EngineConfig fields
+# Kernels of one decoder layer run op by op (autotune/embedded/model.py, counted from forward): 2 RMSNorms
+# of 8 ops (float, pow, mean, add, rsqrt, mul, cast, weight), wqkv, rope of 6 ops (neg, cat, 2 mul, add,
+# cast) on q and k, the cache write (2) and attention (2), the transpose copy, wo, w13, silu, mul, w2, 2
+# residual adds. Int8Linear adds 3 per linear layer (weight cast, scale cast, scale mul) x 4.
+UNFUSED_LAYER_KERNELS = 16 + 1 + 12 + 4 + 1 + 1 + 4 + 2
+INT8_UNFUSED_KERNELS = 3 * 4
 
 
 def _schema() -> dict:
@@ -122,15 +129,17 @@ class EmbeddedAdapter(EngineAdapter):
         steps = int(c.get("draft_length", 4)) if drafter else 0
         sizes = c.get("cuda_graph_batch_sizes") or []
         graphs = bool(sizes) and on_gpu
-        # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too, and on a
-        # GPU each of a layer's 4 linear layers (wqkv, wo, w13, w2) casts its int8 weight to the activation
-        # dtype in a kernel of its own before the GEMM (embedded/quantize.py: Int8Linear.forward)
-        int8_casts = 4 if on_gpu and c.get("quantization") == "int8" else 0
+        # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too. On a GPU
+        # without inductor every op of a layer is a kernel of its own (UNFUSED_LAYER_KERNELS, and int8's
+        # casts and scaling around each linear layer)
+        unfused = on_gpu and c.get("compile") != "inductor"
+        extra = UNFUSED_LAYER_KERNELS - KERNELS_PER_LAYER if unfused else 0
+        extra += INT8_UNFUSED_KERNELS if unfused and c.get("quantization") == "int8" else 0
         return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
                           verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
                           mem_fraction=None,
                           max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
-                          cuda_context=graphs, quantized_head=True, extra_layer_kernels=int8_casts)
+                          cuda_context=graphs, quantized_head=True, extra_layer_kernels=extra)
 
     def preset_model(self, preset, hub_repo, given):
         """Local files only: the bundled GGUF for its preset (None = the engine's default), else as given."""
