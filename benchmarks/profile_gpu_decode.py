@@ -1,65 +1,111 @@
-"""Where a CUDA decode step of the embedded model spends its time (random SmolLM2-shaped weights).
+"""Where a CUDA decode or verify step of the embedded model spends its time (random SmolLM2-shaped weights).
 
-Plain bs-1 decode through ModelRunner (the engine's own graph runner) for several compile modes,
-each timed as the engine runs it (graph replay + argmax + one host sync per token), and a kernel
-table of one compiled forward without graphs. Random weights: speed does not depend on values.
+Runners built as the engine builds them (ModelRunner, bf16, 8 slots + a scratch slot, the engine's
+default cache length): eager; eager + CUDA graphs; inductor + CUDA graphs (compiled once with dynamic
+shapes, every (batch, width bucket) graph captured by warm_up, timed: the launch cost); and the
+fixed-shape runner (--step-shape fixed). Each (batch, width) step is timed as the engine runs it:
+forward (or graph replay) + argmax + one host sync. Per forward without graphs: kernel count, GPU
+time, and the host gap (step wall time - GPU busy time). Random weights: speed does not depend on values.
 
-    python3 benchmarks/profile_gpu_decode.py [--tokens 256] [--modes none,inductor,max-autotune-no-cudagraphs]
+    python3 benchmarks/profile_gpu_decode.py [--steps 50] [--out profile.json]
 """
 import argparse
+import json
+import statistics
 import time
 
 import torch
 
 from autotune.embedded.model import KVCache, ModelArgs, Transformer
-from autotune.embedded.runner import ModelRunner
+from autotune.embedded.runner import MAX_GRAPH_WIDTH, ModelRunner
+from autotune.embedded.weights import build_model
 
+# The bundled SmolLM2-135M as the engine loads it (read_gguf at max_seq_len 2048 + 17 headroom), so the
+# inductor cache this warms is the one `autotune serve --compile inductor` then hits.
 SMOLLM2_135M = ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
-                         norm_eps=1e-5, rope_base=100000.0, max_seq_len=1041, tie_embeddings=True)
+                         head_dim=64, norm_eps=9.999999747378752e-06, rope_base=100000.0, max_seq_len=2065,
+                         tie_embeddings=True)
+SLOTS, GRAPH_SIZES = 8, [1, 2, 4, 8]
+SHAPES = [(1, 1), (1, 5), (1, 9), (4, 1), (4, 5), (8, 1), (8, 5), (8, 9)]  # (batch, width): decode, k = 4, k = 8
+KV_POSITION = 300  # where the rows stand in their sequences (a prompt plus some output)
 
 
-def decode_tok_s(runner: ModelRunner, tokens: int) -> float:
-    token = torch.zeros((1, 1), dtype=torch.long, device="cuda")
-    for warm in (True, False):
+def random_model():
+    torch.manual_seed(0)
+    state = {k: torch.randn_like(v) * 0.02 for k, v in Transformer(SMOLLM2_135M).state_dict().items()}
+    return build_model(SMOLLM2_135M, state, torch.bfloat16, torch.device("cuda"))
+
+
+def step_inputs(batch, width):
+    ids = torch.randint(0, SMOLLM2_135M.vocab_size, (batch, width), device="cuda")
+    pos = (KV_POSITION + torch.arange(width, device="cuda")).repeat(batch, 1)
+    return ids, pos, torch.arange(batch, device="cuda")
+
+
+def step_ms(runner, batch, width, steps) -> float:
+    """Median wall ms of one engine-like step: forward, argmax, the host sync."""
+    ids, pos, rows = step_inputs(batch, width)
+    times = []
+    for i in range(steps + 5):
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for pos in range(16 if warm else tokens):
-            logits = runner(token, torch.tensor([[pos]], device="cuda"), None, 1024)
-            token = logits[:, -1:].argmax(-1)
-            token.tolist()  # the engine's one host sync per step
-    return tokens / (time.perf_counter() - start)
+        t0 = time.perf_counter()
+        runner(ids, pos, rows, 384).argmax(-1).tolist()
+        if i >= 5:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_profile(runner, batch, width) -> dict:
+    ids, pos, rows = step_inputs(batch, width)
+    for _ in range(3):
+        runner(ids, pos, rows, 384).argmax(-1).tolist()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        runner(ids, pos, rows, 384).argmax(-1).tolist()
+        wall = (time.perf_counter() - t0) * 1e3
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.device_time_total for e in events) / 1e3
+    top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+    return {"kernels": sum(e.count for e in events), "gpu_ms": round(gpu, 3), "wall_ms": round(wall, 3),
+            "host_gap_ms": round(wall - gpu, 3),
+            "top": [{"name": e.key[:70], "count": e.count, "us": round(e.device_time_total, 1)} for e in top]}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--modes", default="none,inductor,max-autotune-no-cudagraphs")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = Transformer(SMOLLM2_135M).to("cuda", torch.bfloat16).eval().requires_grad_(False)
-    for mode in args.modes.split(","):
-        cache = KVCache(SMOLLM2_135M, 2, 1041, torch.bfloat16, "cuda")
-        runner = ModelRunner(model, cache, "none", graph_batch_sizes=[1], scratch_slot=1)
-        if mode != "none":
-            options = {} if mode == "inductor" else {"mode": mode}
-            runner.forward = torch.compile(model.forward, backend="inductor", **options)
-        start = time.perf_counter()
-        tok_s = decode_tok_s(runner, args.tokens)
-        print(f"{mode:>28}: {tok_s:7.1f} tok/s ({1e3 / tok_s:.2f} ms/token; setup+run {time.perf_counter() - start:.0f} s)",
+    model = random_model()
+    cache = lambda: KVCache(SMOLLM2_135M, SLOTS + 1, SMOLLM2_135M.max_seq_len, torch.bfloat16, "cuda")
+    report = {"shapes": SHAPES, "steps": args.steps, "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "step_ms": {}, "warm_up_s": {}, "kernels": {}}
+    runners = {"eager": ModelRunner(model, cache()),
+               "eager+graphs": ModelRunner(model, cache(), "none", GRAPH_SIZES, scratch_slot=SLOTS),
+               "inductor+graphs": ModelRunner(model, cache(), "inductor", GRAPH_SIZES, scratch_slot=SLOTS),
+               "inductor+graphs fixed": ModelRunner(model, cache(), "inductor", GRAPH_SIZES, scratch_slot=SLOTS,
+                                                    fixed_shape=True)}
+    for name, runner in runners.items():
+        if name != "eager":
+            report["warm_up_s"][name] = round(runner.warm_up(SLOTS, range(1, MAX_GRAPH_WIDTH + 1)), 1)
+            print(f"{name}: warm-up {report['warm_up_s'][name]} s, {len(runner.graphs)} graphs", flush=True)
+        report["step_ms"][name] = {f"{b}x{w}": round(step_ms(runner, b, w, args.steps), 3) for b, w in SHAPES}
+        print(f"{name:>22}: " + "  ".join(f"{k} {v:.2f}" for k, v in report["step_ms"][name].items()) + "  (ms/step)",
               flush=True)
-
-    compiled = torch.compile(model.forward, backend="inductor")
-    cache = KVCache(SMOLLM2_135M, 2, 1041, torch.bfloat16, "cuda")
-    ids, pos = torch.zeros((1, 1), dtype=torch.long, device="cuda"), torch.zeros((1, 1), dtype=torch.long, device="cuda")
-    for _ in range(3):
-        compiled(ids, pos, cache, kv_len=1024)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        compiled(ids, pos, cache, kv_len=1024)
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"kernels in one compiled forward: {sum(e.count for e in events)}, "
-          f"GPU time {sum(e.device_time_total for e in events) / 1e3:.2f} ms")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        if runner.late_captures:
+            print(f"{name}: {runner.late_captures} graphs captured after warm-up", flush=True)
+    runners["inductor"] = ModelRunner(model, cache(), "inductor")  # the same compiled forward, without graphs
+    for name in ("eager", "inductor", "inductor+graphs"):
+        for b, w in ((1, 1), (1, 5), (8, 5)):
+            p = kernel_profile(runners[name], b, w)
+            report["kernels"][f"{name} {b}x{w}"] = p
+            print(f"{name} {b}x{w}: {p['kernels']} kernels, GPU {p['gpu_ms']} ms, wall {p['wall_ms']} ms, "
+                  f"host gap {p['host_gap_ms']} ms; top: " + ", ".join(f"{t['name'][:40]} x{t['count']}" for t in p["top"][:3]),
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

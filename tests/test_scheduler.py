@@ -5,10 +5,13 @@ import queue
 import threading
 
 import pytest
+from torch._dynamo.utils import counters
 
-from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
+from autotune.embedded.config import MAX_DRAFT_LENGTH, EngineConfig, GenerationRequest, SamplingParams
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
+from autotune.embedded.runner import MAX_GRAPH_WIDTH, WIDTH_BUCKETS, bucket
 from autotune.embedded.scheduler import Engine
+from autotune.embedded.weights import load_model
 
 CODE_PROMPT = ("def area(width, height):\n    return width * height\n\n"
                "# Same function, with type hints:\ndef area(")
@@ -139,3 +142,61 @@ def test_draft_policies(tmp_path):
     (tmp_path / "bad.json").write_text('{"feature": "moon phase", "buckets": []}')
     with pytest.raises(ValueError, match="feature must be one of"):
         load_estimator(str(tmp_path / "bad.json"))
+
+
+# -- the compiled path: compiled and captured once, at start-up, for every shape it will see -----------
+def test_step_shapes_map_onto_buckets():
+    assert [bucket(w, WIDTH_BUCKETS) for w in (1, 2, 3, 4, 5, 6, 9, 10, MAX_GRAPH_WIDTH)] == [
+        1, 2, 3, 5, 5, 9, 9, MAX_GRAPH_WIDTH, MAX_GRAPH_WIDTH]
+    assert [bucket(b, [1, 2, 4, 8]) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert WIDTH_BUCKETS[-1] == MAX_DRAFT_LENGTH + 1  # the longest verify step has a bucket
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer model with the bundled tokenizer: compiling it takes seconds, not minutes."""
+    from test_embedded_model import write_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny")
+    write_tiny_checkpoint(directory, "llama", load_model().tokenizer)
+    return str(directory)
+
+
+def mixed_load(engine, **params) -> list[list[int]]:
+    """Prompts short (a step-sized first chunk) and long (several chunks), draft lengths 0..16, more
+    requests than slots: batch sizes, widths and kv_len all vary."""
+    prompts = ["a b a b a b", "x = 1\ny = 2\nx = 1\ny =", CODE_PROMPT * 2, "Hi", CODE_PROMPT]
+    collectors = [submit(engine, p, max_tokens=24, ignore_eos=True, draft_length=k, **params)[1]
+                  for p, k in zip(prompts, (0, 3, 16, 8, 5))]
+    for c in collectors:
+        assert c.wait().finish_reason == "length"
+    return [c.tokens for c in collectors]
+
+
+@pytest.mark.slow
+def test_compiled_engine_does_not_recompile_after_warm_up(tiny_checkpoint):
+    engine = Engine(EngineConfig(model=tiny_checkpoint, drafter="ngram", verify_slots=3, max_seq_len=100, threads=2,
+                                 compile="aot_eager"))
+    engine.start()
+    try:
+        compiled = counters["frames"]["total"]  # every compilation dynamo attempts (a failed one too)
+        assert compiled > 0 and engine.stats()["warmup_seconds"] > 0  # compiled at start-up, not per request
+        mixed_load(engine)
+        mixed_load(engine, temperature=0.8, top_k=20, seed=3)
+        assert counters["frames"]["total"] == compiled
+    finally:
+        engine.stop()
+
+
+def test_fixed_step_shape_gives_the_same_greedy_tokens_with_or_without_drafts(tiny_checkpoint):
+    engine = Engine(EngineConfig(model=tiny_checkpoint, drafter="ngram", verify_slots=3, max_seq_len=100, threads=2,
+                                 step_shape="fixed"))
+    engine.start()
+    try:
+        alone = [submit(engine, p, max_tokens=24, ignore_eos=True, draft_length=0)[1] for p in ("a b a b a b", "Hi")]
+        alone = [c.wait() and c.tokens for c in alone]
+        together = mixed_load(engine)
+        assert [together[0], together[3]] == alone
+        assert engine.stats()["accepted_tokens"] > 0
+    finally:
+        engine.stop()

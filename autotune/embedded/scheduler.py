@@ -7,6 +7,7 @@ batch as soon as they finish or are cancelled.
 """
 import collections
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -33,9 +34,10 @@ from autotune.embedded.generate import (
     speculative_step,
 )
 from autotune.embedded.model import KVCache
-from autotune.embedded.runner import ModelRunner
+from autotune.embedded.runner import MAX_GRAPH_WIDTH, ModelRunner
 from autotune.embedded.sampling import SamplingBatch
 
+log = logging.getLogger(__name__)
 KV_BUCKET = 64  # attended cache lengths are rounded up to this (fewer distinct shapes for compile)
 
 
@@ -87,12 +89,15 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len, target.args.max_seq_len - headroom)
         graphs = list(config.cuda_graph_batch_sizes) if self.device.type == "cuda" else []
         slots, cache_len, dtype = config.verify_slots, self.max_seq_len + headroom, TORCH_DTYPES[config.dtype]
+        fixed = config.step_shape == "fixed"
+        scratch = slots if graphs or fixed else None  # one more cache slot, for the padding rows of a step
 
-        def runner(model, args):
-            cache = KVCache(args, slots + bool(graphs), cache_len, dtype, self.device)
-            return ModelRunner(model, cache, config.compile, graphs, scratch_slot=slots if graphs else None)
+        def runner(model, args, fixed_shape=False):
+            cache = KVCache(args, slots + (scratch is not None), cache_len, dtype, self.device)
+            return ModelRunner(model, cache, config.compile, graphs, scratch_slot=scratch, fixed_shape=fixed_shape)
 
-        self.target = runner(target.model, target.args)
+        self.target = runner(target.model, target.args, fixed_shape=fixed)
+        warm_ups = [(self.target, range(1, MAX_GRAPH_WIDTH + 1), (None,))]  # verify widths, short prompts
         if config.drafter == "ngram":
             self.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
         elif config.drafter == "early_exit":
@@ -100,6 +105,7 @@ class Engine:
                 raise ValueError(f"early_exit_layers must be in 1..{target.args.n_layers - 1}")
             layers = config.early_exit_layers
             self.drafter = ModelDrafter(lambda *a: self.target(*a, num_layers=layers), shares_target_cache=True)
+            warm_ups.append((self.target, (1,), (layers,)))
         elif config.drafter in ("draft_model", "quantized_self"):
             if config.drafter == "draft_model":
                 if not config.draft_model:
@@ -112,11 +118,18 @@ class Engine:
                 draft_model, draft_args = quantize_int8(target.model, copy=True), target.args
             draft_runner = runner(draft_model, draft_args)
             self.drafter = ModelDrafter(draft_runner, shares_target_cache=False, prefill_forward=draft_runner)
+            warm_ups.append((draft_runner, (1, 2), (None,)))  # a draft pass feeds 1 token, or 2 after a full accept
         else:
             self.drafter = NoDrafter()
         estimator = load_estimator(config.draft_estimator) if config.draft_estimator else None
         self.policy = DraftPolicy(config.draft_policy, config.draft_length, estimator)
         self.slot_rows = [torch.tensor([s], device=self.device) for s in range(slots)]
+        # Compile and capture now, before /health answers: at serving time a new shape would stall every stream.
+        self.warmup_seconds = 0.0
+        if config.compile != "none" or graphs:
+            self.warmup_seconds = sum(r.warm_up(slots, widths, depths) for r, widths, depths in warm_ups)
+            log.info("warm-up (compile %s, %d CUDA graphs): %.1f s", config.compile,
+                     sum(len(r.graphs) for r in {r for r, _, _ in warm_ups}), self.warmup_seconds)
         self.seeds = np.random.default_rng(config.seed)
 
         self._lock = threading.Condition()
@@ -158,7 +171,8 @@ class Engine:
 
     def stats(self) -> dict:
         with self._lock:
-            totals = dict(self._totals, requests_running=len(self._running), requests_waiting=len(self._queue))
+            totals = dict(self._totals, requests_running=len(self._running), requests_waiting=len(self._queue),
+                          warmup_seconds=self.warmup_seconds, late_graph_captures=self.target.late_captures)
         steps, proposed = totals["verify_steps"], totals["draft_tokens"]
         totals["accept_length"] = totals["generation_tokens_total"] / steps if steps else 0.0
         totals["accept_rate"] = totals["accepted_tokens"] / proposed if proposed else 0.0
