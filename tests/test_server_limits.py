@@ -189,7 +189,7 @@ def check_response(body: dict, api: str, model: str, response: httpx.Response, p
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), api=st.sampled_from(sorted(PATHS)))
 def test_allowed_bodies_get_200_and_a_well_formed_response(server, data, api):
     body = data.draw(allowed(api, server.model))

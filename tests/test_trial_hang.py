@@ -1,7 +1,8 @@
 """The tuner facing an engine that hangs mid-benchmark (alive, answering nothing): a real `autotune serve`
 launched by the study is stopped with SIGSTOP while its full benchmark is in flight. The trial must end at
 its deadline with the reason recorded, the engine's process group must be gone (SIGKILL: a stopped process
-never acts on SIGTERM), and the next trial must launch on a free port and measure."""
+never acts on SIGTERM), and the next trial must launch on a free port and measure. And a stopped server that
+is stopped the polite way (Launcher.stop) is continued, so it acts on the SIGTERM at once."""
 import os
 import shlex
 import signal
@@ -12,8 +13,10 @@ from pathlib import Path
 import httpx
 import optuna
 import pytest
+from conftest import serve_argv
 from optuna.trial import TrialState
 
+from autotune.engines.launcher import Launcher, free_port
 from autotune.study import loop, plan, record
 from autotune.study import trial as trial_life
 
@@ -103,3 +106,19 @@ def test_engine_stopped_mid_benchmark_ends_the_trial_at_its_deadline_and_the_nex
     assert nxt.user_attrs["metrics"]["completed"] == full_n
     assert nxt.user_attrs["config"]["verify_slots"] != attrs["config"]["verify_slots"]
     assert outcome.launches == 2
+
+
+@pytest.mark.slow
+def test_stopping_a_stopped_server_continues_it_so_sigterm_ends_it_cleanly(tmp_path):
+    port = free_port()
+    server = Launcher(serve_argv(port, {"drafter": "none", "verify_slots": 1, "max_seq_len": 256}),
+                      log_path=tmp_path / "serve.log", health_url=f"http://127.0.0.1:{port}/health")
+    server.start(timeout=300)
+    pgid = server.proc.pid
+    os.killpg(pgid, signal.SIGSTOP)
+    started = time.monotonic()
+    code = server.stop(grace_s=120)
+    # Exit 0 is autotune serve's own SIGTERM shutdown; without SIGCONT the SIGTERM would wait, pending, for the
+    # whole grace period and SIGKILL would end it (-9).
+    assert code == 0, server.log_tail()
+    assert time.monotonic() - started < 60 and not group_alive(pgid)
