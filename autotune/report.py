@@ -46,7 +46,7 @@ def trials_frame(ctx: StudyContext) -> pd.DataFrame:
             status = f"duplicate ({a.get('original_status')})"
         rows.append({"number": t.number, "state": t.state.name, "status": status, "ok": is_ok(t),
                      "reason": a.get("failure") or "", "config": a.get("config") or dict(t.params),
-                     "value": t.values[0] if t.values else None, **{k: v for k, v in m.items() if
+                     "warmup_s": a.get("warmup_s"), "value": t.values[0] if t.values else None, **{k: v for k, v in m.items() if
                                                                       isinstance(v, (int, float)) and not isinstance(v, bool)}})
     return pd.DataFrame(rows, columns=None if rows else ["number", "state", "status", "ok", "reason", "config", "value"])
 
@@ -284,7 +284,8 @@ def _config_short(config: dict) -> str:
 # -- the HTML --------------------------------------------------------------------------------------
 def _table(headers: list[str], rows: list[list], raw_columns: tuple[int, ...] = ()) -> str:
     def cell(i, v):
-        return v if i in raw_columns else html.escape("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
+        blank = v is None or (isinstance(v, float) and v != v)  # None, or NaN where a frame column had none
+        return v if i in raw_columns else html.escape("" if blank else f"{v:.4g}" if isinstance(v, float) else str(v))
     body = "".join("<tr>" + "".join(f"<td>{cell(i, v)}</td>" for i, v in enumerate(r)) + "</tr>" for r in rows)
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" + body + "</table>"
 
@@ -300,10 +301,15 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
         w = validation["winner"]
         s = w["stats"][metric]
         gain = f", {w['gain_over_baseline']:.2f}x the baseline" if w.get("gain_over_baseline") else ""
-        lines.append(f"validated winner: trial {w['trial']}, {metric} median {s['median']:.4g} "
+        lines.append(f"validated winner: {w.get('label') or 'trial ' + str(w['trial'])}, {metric} median {s['median']:.4g} "
                      f"(95% CI {s['ci95'][0]:.4g}..{s['ci95'][1]:.4g}) over {len(s['values'])} repeats{gain}")
         if w.get("warning"):
             lines.append(f"warning: {w['warning']}")
+        lines += comparison_lines(validation)
+        agreement = agreement_line(next((c.get("quality") for c in validation.get("candidates", [])
+                                         if c.get("trial") == w["trial"]), None) or validation["baseline"].get("quality"))
+        if agreement:
+            lines.append(f"greedy output of the winner vs the baseline: {agreement}")
     elif validation:
         lines.append("validation: no configuration passed")
     best = ctx.ranked()
@@ -313,6 +319,33 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
     for d in (validation or {}).get("demoted", []):
         lines.append(f"demoted trial {d['trial']}: {'; '.join(d['reasons'])}")
     return lines
+
+
+def comparison_lines(validation: dict) -> list[str]:
+    """The winner against each rival (the runner-up, the baseline) with the noise, and the tie if one."""
+    lines = []
+    for c in validation.get("comparisons", []):
+        if c.get("gain") is None:
+            lines.append(f"{c['winner']} vs {c['rival']}: too few repeats to compare ({c['repeats']})")
+            continue
+        lo, hi = c["interval"]
+        lines.append(f"{c['winner']} vs {c['rival']}: {c['gain']:.3f}x ({c['confidence']:.0%} interval {lo:.3f}..{hi:.3f}, "
+                     f"{c['repeats'][0]} and {c['repeats'][1]} repeats): "
+                     + ("beyond the noise" if c["beyond_noise"] else "within the noise"))
+    if validation.get("tie"):
+        lines.append(f"tie: {validation['tie']['why']}")
+    return lines
+
+
+def agreement_line(q: dict | None) -> str | None:
+    """Token agreement of a configuration's greedy outputs with the plain baseline's, in one line."""
+    if not q or not q.get("checked") or "identical_share" not in q:
+        return None
+    parted = [f"prompt {p['prompt']} at {q['unit']} {p['first_divergence']} of {p['baseline_tokens']}"
+              for p in q["per_prompt"] if p["first_divergence"] is not None]
+    text = (f"{q['identical_share']:.0%} of the baseline's {q['unit']}s identical, {q['identical']} of {q['prompts']} "
+            f"prompts identical ({q['mode']})")
+    return text + (f"; first divergence: {', '.join(parted)}" if parted else "")
 
 
 def write_report(study: str | Path | StudyContext, *, storage: str | None = None, out: str | Path | None = None,
@@ -364,22 +397,26 @@ def top_table(ctx: StudyContext, validation: dict | None, limit: int = 10) -> st
         verdict = "not validated" if v is None else v["status"] + (f": {'; '.join(v['reasons'])}" if v["reasons"] else
                                                                   f" (median {v['stats'][metric]['median']:.4g})")
         q = (v or {}).get("quality") or {}
-        if q.get("mode") == "lossy" and q.get("first_divergence"):
+        agreement = agreement_line(q)
+        if agreement:
+            verdict += f"; greedy output vs the baseline: {agreement}"
+        if q.get("first_divergence"):
             d = q["first_divergence"]
-            verdict += (f"; greedy output differs from the baseline ({q['note']}) on {q['prompts'] - q['identical']} "
-                        f"of {q['prompts']} prompts, first at prompt {d['prompt']} char {d['char']}: "
-                        f"{d['baseline']!r} vs {d['candidate']!r}")
-        rows.append([t.number, t.values[0], m.get("e2e_ms_p95"), m.get("accept_length"), verdict,
-                     _config_short(t.user_attrs.get("config") or {}),
+            verdict += f" ({d['baseline']!r} vs {d['candidate']!r})" + (f"; {q['note']}" if q.get("note") else "")
+        rows.append([t.number, t.values[0], m.get("e2e_ms_p95"), m.get("accept_length"), t.user_attrs.get("warmup_s"),
+                     verdict, _config_short(t.user_attrs.get("config") or {}),
                      f"<code>{html.escape(launch_text(ctx, t.user_attrs.get('config') or {}))}</code>"])
     if not rows:
         return '<p class="note">no trial met its requirements</p>'
-    return _table(["#", metric, "p95 e2e ms", "accept len", "validation", "config", "launch command"], rows, (6,))
+    # warm-up: compiling and graph capture before the measured requests (launch cost, not speed)
+    return _table(["#", metric, "p95 e2e ms", "accept len", "warm-up s", "validation", "config", "launch command"],
+                  rows, (7,))
 
 
 def all_table(df: pd.DataFrame) -> str:
-    rows = [[r["number"], r["status"], r["value"], _config_short(r["config"]), r["reason"]] for _, r in df.iterrows()]
-    return _table(["#", "status", "value", "config", "why (failures, SLO misses)"], rows)
+    rows = [[r["number"], r["status"], r["value"], r.get("warmup_s"), _config_short(r["config"]), r["reason"]]
+            for _, r in df.iterrows()]
+    return _table(["#", "status", "value", "warm-up s", "config", "why (failures, SLO misses)"], rows)
 
 
 def write_pngs(figures: dict, directory: Path) -> str:

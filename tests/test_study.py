@@ -24,16 +24,23 @@ ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4
               "dtype=float32", "quantization=none", "compile=none", "threads=1"]
 
 
-# A stand-in for a hopelessly slow engine: healthy, lists a model, never answers a completion in time.
+# A stand-in for a hopelessly slow engine: healthy, lists a model, answers the warm-up wave (SMALL's
+# concurrency, 2 requests) at once, then never answers a completion in time.
 STALLING_SERVER = """
 import http.server, json, sys, time
 class H(http.server.BaseHTTPRequestHandler):
+    posts = 0
     def do_GET(self):
         body = json.dumps({"data": [{"id": "slow"}]}).encode() if self.path == "/v1/models" else b"ok"
         self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
         self.end_headers()
         self.wfile.write(body)
     def do_POST(self):
+        H.posts += 1
+        if H.posts <= 2:
+            self.send_response(503)
+            self.end_headers()
+            return
         time.sleep(60)  # the behaviour under test: a completion that never comes within the quick timeout
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
@@ -286,3 +293,28 @@ def test_plan_for_a_cpu_keeps_threads_and_gguf(tmp_path):
     assert not any("inductor" in q or "predicted" in q for q in queued)
     other, _ = planned("--gpu", "a100-80gb-sxm4", "--concurrency", "2", env_dir=tmp_path)
     assert other["cuda_graph_batch_sizes"] == "[] | [1, 2]"
+
+
+# -- compile is launch cost (issue 16 point 2) -----------------------------------------------------------
+@pytest.mark.slow
+def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, monkeypatch):
+    """A plain trial sets the quick timeout (3x its tiny quick wave, no floor); a torch.compile trial after
+    it compiles at startup or at its first requests, which takes far longer than that. That is launch
+    cost: the trial is measured, its warm-up seconds recorded and counted in its time, and not pruned."""
+    monkeypatch.setattr(trial_life, "QUICK_TIMEOUT_FLOOR_S", 0.1)
+    # One stream, no drafter: the fewest shapes to compile on a CPU (torch.compile is slow there).
+    pins = ["drafter=none", "verify_slots=1", "prefill_ubatch=256", "dtype=float32", "quantization=none", "threads=1"]
+    load = {**SMALL, "concurrency": 1, "launch_timeout_s": 900.0}
+    plain = plan.RunOptions(trials=1, study="compiled", sets=[*pins, "compile=none"], **load)
+    first = trials_of(loop.run_study(plan.build(plain)))[0]
+    assert first.user_attrs["status"] == "ok" and first.user_attrs["warmup_s"] > 0
+    limit = trial_life.QUICK_TIMEOUT_FACTOR * first.user_attrs["quick"]["duration_s"]
+    compiled = plan.RunOptions(**{**plain.__dict__, "sets": [*pins, "compile=aot_eager"], "resume": True, "trials": 2})
+    trial = trials_of(loop.run_study(plan.build(compiled)))[1]
+    a = trial.user_attrs
+    assert a["config"]["compile"] == "aot_eager" and "--compile" in a["argv"]
+    assert trial.state == TrialState.COMPLETE and a["status"] == "ok", a.get("failure")
+    assert a["warmup_s"] > 0 and a["timings"]["warmup_s"] == a["warmup_s"]
+    launch_cost = a["timings"]["launch_s"] + a["warmup_s"]
+    assert launch_cost - (first.user_attrs["timings"]["launch_s"] + first.user_attrs["warmup_s"]) > limit
+    assert a["timings"]["total_s"] > launch_cost  # in the trial's time: what the budget counts

@@ -19,6 +19,11 @@ from .slo import SLO, parse_slo
 from .workloads import Workload, load_workload, with_api
 
 
+# A warm-up wave this many times faster than the one before means one-time costs (compiling, capturing)
+# were still being paid: another wave follows.
+WARMUP_SPEEDUP = 1.5
+
+
 @dataclass
 class BenchResult:
     requests: pd.DataFrame  # one row per measured request (warm-up excluded)
@@ -201,3 +206,32 @@ def measure_server(server, workload: Workload, *, concurrency: int | None, num_r
     summary = json_ready(dict(result.summary))
     summary["duration_s"] = round(time.monotonic() - t0, 3)
     return summary, result.requests
+
+
+def warm_up(server, workload: Workload, *, concurrency: int | None, max_tokens: int | None, seed: int = 0,
+            request_timeout: float = 300.0, steady_s: float | None = None) -> dict:
+    """Waves of the load's requests at its concurrency, before anything is measured: torch.compile and
+    CUDA-graph capture run at the first forward passes of each shape, so they are launch cost, never speed.
+    Waves go on while they get markedly faster (what is left is one-time cost), until one takes at most
+    `steady_s` or the warm-up has taken `request_timeout`. Each wave takes other prompts from the end of
+    the (shuffled) list, so the measured ones still start on their own. {warmup_s, waves, sent, errors_by_kind}."""
+    if isinstance(workload, str):
+        workload = load_workload(workload, seed)
+    n, url = max(1, concurrency or 1), base_url(server.base_url)
+    model = served_model(url)
+    t0, waves, errors, sent = time.monotonic(), [], {}, 0
+    while True:
+        picked = [workload.requests[-1 - (len(waves) * n + i) % len(workload.requests)] for i in range(n)]
+        bodies = [request_body(r, model, max_tokens, True, None) for r in picked]
+        left = request_timeout - (time.monotonic() - t0)
+        records, wave_s, _ = asyncio.run(run_load(url, picked, bodies, concurrency=n, rate=None, num_requests=n,
+                                                  duration=None, seed=seed, request_timeout=max(left, 1.0)))
+        waves.append(round(wave_s, 3))
+        sent += len(records)
+        for rec in records:
+            if rec.error_kind is not None:
+                errors[rec.error_kind] = errors.get(rec.error_kind, 0) + 1
+        settled = len(waves) >= 2 and wave_s > waves[-2] / WARMUP_SPEEDUP
+        if errors or settled or (steady_s is not None and wave_s <= steady_s) or time.monotonic() - t0 >= request_timeout:
+            break
+    return {"warmup_s": round(time.monotonic() - t0, 3), "waves": waves, "sent": sent, "errors_by_kind": errors}

@@ -153,7 +153,7 @@ class Space:
         return {k: self.params[k].encode(v) for k, v in config.items() if not self.params[k].pinned and v is not None}
 
     # -- the machine and the load ---------------------------------------------------------------
-    def fitted(self, device: str, concurrency: int, units: set[str] | None) -> "Space":
+    def fitted(self, device: str, concurrency: int, units: set[str] | None) -> Space:
         """The space for an engine on `device` ("cuda" | "cpu") under `concurrency` requests at a time,
         on hardware with native `units` (None: not known, every choice kept). Parameters the user pinned
         or narrowed stay as the user left them."""

@@ -46,10 +46,12 @@ class TrialRecord(TypedDict, total=False):
     placement: dict  # GPUs / threads given to it by the packer
     log: str  # path of the engine's log
     runtime: dict  # reused: the runtime knobs applied to the running server
+    warmup_s: float  # seconds of warm-up before any measurement (compiling, CUDA-graph capture): launch cost
+    warmup_waves_s: list  # each warm-up wave's seconds (waves go on while they get markedly faster)
     quick: dict  # the quick first measurement's benchmark summary
     metrics: dict  # the full benchmark's summary (autotune/bench/metrics.py): output_tok_s, e2e_ms_p95, ...
     requests_file: str  # per-request parquet of the full benchmark
-    timings: dict  # launch_s, quick_s, bench_s, total_s
+    timings: dict  # launch_s, warmup_s, quick_s, bench_s, total_s
 
 
 def record(trial: FrozenTrial) -> TrialRecord:

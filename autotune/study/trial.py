@@ -2,8 +2,9 @@
 
 Suggest a config -> engine rules, hardware conditions, memory fit (rejected before any launch) ->
 dedupe by the engine's effective settings (a duplicate reuses the recorded result) -> reuse the
-running server when only runtime parameters changed, else launch -> quick measurement (pruned if
-hopeless) -> full benchmark -> SLO -> record everything (record.TrialRecord) -> tell Optuna.
+running server when only runtime parameters changed, else launch -> warm-up (compile, graph capture:
+launch cost, never pruned for) -> quick measurement (pruned if hopeless) -> full benchmark -> SLO ->
+record everything (record.TrialRecord) -> tell Optuna.
 
 How outcomes reach the sampler. Optuna's TPE ignores FAIL trials, so a crash recorded as FAIL
 would be proposed again and again. Every failure is therefore told as PRUNED with a positive
@@ -22,7 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict
-from autotune.bench.runner import measure_server
+from autotune.bench.runner import measure_server, warm_up
 from autotune.bench.workloads import prompt_text
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space import constraints
@@ -31,8 +32,9 @@ from autotune.study.live import LiveView
 from autotune.study.parallel import wait_for_twins
 from autotune.study.plan import Plan
 
-# A quick measurement may take this many times the defaults trial's quick wave before its requests
-# time out and the trial is pruned: a hopeless configuration costs seconds, not the client's 2 minutes.
+# A quick measurement (after the warm-up) may take this many times the defaults trial's quick wave before
+# its requests time out and the trial is pruned: a hopeless configuration costs seconds, not the client's
+# 2 minutes.
 QUICK_TIMEOUT_FACTOR = 3.0
 QUICK_TIMEOUT_FLOOR_S = 10.0
 # The full benchmark's deadline: this many times what the quick wave's pace predicts for it. An engine that
@@ -154,8 +156,31 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     if "placement" in launch:
         attrs["placement"] = launch["placement"]
 
-    # 4. quick first measurement (also the warm-up), then the full benchmark.
+    # 4. warm-up: compiling and capturing CUDA graphs happen at the first requests of each shape. They
+    # are launch cost (in the trial's time, so the budget weighs them) and bounded by the launch timeout,
+    # never by the quick timeout below: waves until one is within it, or they stop getting faster.
     timeout, reference = quick_timeout(study, defaults=p.space.defaults())
+    view.phase(trial.number, "warming up")
+    try:
+        warm = warm_up(servers.server, p.workload, concurrency=opts.concurrency, max_tokens=opts.max_tokens,
+                       seed=opts.seed, request_timeout=opts.launch_timeout_s, steady_s=timeout)
+    except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
+        kind = "crash" if not servers.alive() else "bench"
+        servers.stop()
+        return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=kind,
+                      failure=f"warm-up: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    attrs["warmup_s"] = attrs["timings"]["warmup_s"] = warm["warmup_s"]
+    attrs["warmup_waves_s"] = warm["waves"]
+    timed_out = warm["errors_by_kind"].get("timeout")
+    if timed_out or not servers.alive():
+        kind = "timeout" if servers.alive() else "crash"
+        why = (f"{timed_out} of {warm['sent']} requests took over the launch timeout ({opts.launch_timeout_s:g} s)"
+               if kind == "timeout" else f"the server exited (see {log})")
+        servers.stop()
+        return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=kind,
+                      failure=f"warm-up: {why}")
+
+    # 5. quick first measurement, then the full benchmark.
     try:
         quick, requests = measure(p, servers, opts.quick_requests or _quick_size(p), request_timeout=timeout)
         attrs["quick"] = quick
@@ -188,7 +213,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind="errors",
                       failure=f"no request completed ({summary.get('errors_by_kind') or 'no metrics'})")
 
-    # 5. SLO and errors: measured, but infeasible.
+    # 6. SLO and errors: measured, but infeasible.
     misses = p.slo.check(summary) if p.slo else []
     if summary.get("error_rate"):
         misses.append(f"error_rate {summary['error_rate']:.3g} > 0 ({summary.get('errors_by_kind')})")
