@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from autotune.embedded import quantize, weights
+from autotune.embedded import weights
 from autotune.embedded.model import KVCache
 from autotune.embedded.quantize import GGUFLinear, Int8Linear, quantize_gguf, quantize_int8, weight_bytes
 from autotune.embedded.tokenizer import StreamDecoder
@@ -103,23 +103,24 @@ def native():
     """The bundled model with every linear layer running the GGUF's own blocks (quantization gguf)."""
     loaded = load_model()
     loaded.fp32_bytes = weight_bytes(loaded.model)
+    loaded.fp32_norm = loaded.model.layers[0].attention_norm.weight.detach().clone()
     loaded.swapped = quantize_gguf(loaded.model, loaded.gguf_blocks, torch.device("cpu"), torch.float32)
     return loaded
 
 
 @pytest.mark.slow
-def test_greedy_output_equals_transformers(ours, native, hf_model):
-    """Ours in float32 and ours on the GGUF's own blocks both give transformers' greedy tokens."""
+def test_greedy_output_equals_transformers(ours, hf_model):
+    """Ours in float32 gives transformers' greedy tokens (on the GGUF's own blocks, with 8-bit activations,
+    it follows them up to near ties: tests/test_kquants.py)."""
     eos = ours.tokenizer.eos_token_id
     for prompt in (ours.tokenizer.apply_chat_template(CHAT), CODE_PROMPT):
         ids = ours.tokenizer.encode(prompt)
         with torch.inference_mode():
-            mine, on_blocks = greedy(ours.model, ids, 24, eos), greedy(native.model, ids, 24, eos)
+            mine = greedy(ours.model, ids, 24, eos)
             theirs = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=eos,
                                        pad_token_id=eos)[0, len(ids):].tolist()
         assert len(mine) >= 8
         assert mine == theirs, (ours.tokenizer.decode(mine), ours.tokenizer.decode(theirs))
-        assert on_blocks == theirs, (ours.tokenizer.decode(on_blocks), ours.tokenizer.decode(theirs))
 
 
 @pytest.mark.slow
@@ -395,35 +396,14 @@ def test_int8_copy_keeps_greedy_choices_and_shrinks_weights(ours):
 
 
 # -- the GGUF's own blocks (quantization gguf) -------------------------------------------------------------
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_linear_keeps_the_weights_bit_identical_and_matches_a_float_gemm(ggml_type, monkeypatch):
-    import gguf
-    from gguf import quants
-
-    kind = gguf.GGMLQuantizationType[ggml_type]
-    rng = np.random.default_rng(0)
-    out_features, in_features = 40, 96
-    rows = quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
-    bias = torch.randn(out_features)
-    layer = GGUFLinear(int(kind), rows, in_features, bias)
-    reference = torch.from_numpy(quants.dequantize(rows, kind).astype(np.float32))
-    portable = lambda: quantize.build_kernel(("-mno-avx512f",))  # noqa: E731 - the plain-C kernel of other CPUs
-    for kernel in (quantize._kernel, portable):
-        monkeypatch.setattr(quantize, "_kernel", kernel)
-        # One-hot rows read the weights back exactly (w * 1 + 0): the very weights every other path uses.
-        layer.bias = None
-        assert torch.equal(layer(torch.eye(in_features)), reference.T)
-        layer.bias = bias
-        for m in (1, 2, 3, 5, 7, 16, 17, 40):  # the kernel's 4/2/1-row tiles and 16-row tiles of x
-            x = torch.randn(2, m, in_features)
-            expected = torch.nn.functional.linear(x, reference, bias)
-            assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), (m, (layer(x) - expected).abs().max())
-
-
 def test_gguf_native_swaps_every_linear_layer_and_halves_the_weights(native):
     assert native.swapped == native.args.n_layers * 4 + 1  # wqkv, wo, w13, w2 per layer, and the tied head
     assert isinstance(native.model.output, GGUFLinear) and isinstance(native.model.layers[0].attention.wqkv, GGUFLinear)
     assert weight_bytes(native.model) * 2 < native.fp32_bytes  # float32 embedding table kept for lookups
+    # each RMSNorm now runs inside the layer it feeds
+    layer = native.model.layers[0]
+    assert isinstance(layer.attention_norm, torch.nn.Identity) and isinstance(native.model.norm, torch.nn.Identity)
+    assert torch.equal(layer.attention.wqkv.norm_weight, native.fp32_norm) and layer.feed_forward.w13.norm_weight is not None
 
 
 def test_gguf_native_refuses_what_it_cannot_run(tmp_path, ours):
@@ -434,3 +414,29 @@ def test_gguf_native_refuses_what_it_cannot_run(tmp_path, ours):
         quantize_gguf(safetensors.model, safetensors.gguf_blocks, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="CPU in float32"):
         quantize_gguf(ours.model, ours.gguf_blocks, torch.device("cpu"), torch.bfloat16)
+
+
+def test_fused_cpu_attention_equals_the_model_attention():
+    """quantization gguf's one-call attention (RoPE, cache write, causal GQA) against model.Attention: a verify
+    step of 3 tokens for 2 sequences in cache slots 2 and 0, at different positions, attending below kv_len."""
+    from autotune.embedded.model import Attention, ModelArgs, rope_tables
+    from autotune.embedded.quantize import FusedAttention
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, intermediate_size=64, vocab_size=10, max_seq_len=64)
+    reference = Attention(args, 0)
+    torch.nn.init.normal_(reference.wqkv.weight, std=0.2), torch.nn.init.normal_(reference.wo.weight, std=0.2)
+    fused = FusedAttention(reference)
+    cos, sin = rope_tables(args)
+    caches = [KVCache(args, 3, 40, torch.float32) for _ in range(2)]
+    for cache in caches:  # the same history in both
+        cache.k[0].normal_(generator=torch.Generator().manual_seed(1)), cache.v[0].normal_(generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([[20, 21, 22], [5, 6, 7]])
+    rows, kv_len = torch.tensor([2, 0]), 24
+    mask = (torch.arange(kv_len)[None, None, :] <= positions[:, :, None])[:, None]
+    x = torch.randn(2, 3, 96)
+    with torch.inference_mode():
+        expected = reference(x, cos[positions], sin[positions], mask, caches[0], rows, positions, kv_len)
+        got = fused(x, cos[positions], sin[positions], mask, caches[1], rows, positions, kv_len)
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.allclose(caches[1].k[0], caches[0].k[0], atol=1e-6) and torch.equal(caches[1].v[0], caches[0].v[0])

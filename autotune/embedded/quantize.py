@@ -10,6 +10,7 @@ import copy as copy_module
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from functools import cache
@@ -22,8 +23,10 @@ from torch import Tensor, nn
 
 from autotune.embedded.model import Transformer
 
-KERNEL_SOURCE = Path(__file__).parent / "kernels" / "gguf_linear.c"
-GGML_BLOCKS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}  # ggml type -> name, bytes per 32 weights
+KERNEL_SOURCES = [Path(__file__).parent / "kernels" / name for name in ("gguf_linear.c", "attention.c")]
+# ggml type -> name, weights per block, bytes per block (ggml's type_traits)
+GGML_BLOCKS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}  # model.py's fused linears, parts in order
 
 
@@ -73,88 +76,168 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 class GGUFLinear(nn.Module):
-    """y = x @ W.T + bias with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0), float32 activations, CPU.
+    """y = norm(x) @ W.T + bias with W kept in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), float32, CPU.
 
-    The dequantised weights are bit-identical to the gguf package's, the ones every other path of this
-    engine (and transformers' GGUF loader) uses; a decode step just reads 4-7x fewer bytes of them. The
-    kernel also beats a float32 GEMM on prefill-sized inputs (it tiles x to stay in L1), so every input
-    size goes through it.
+    parts: (ggml type, uint8 rows [out, bytes]) runs of output rows, in order; a fused layer (q/k/v,
+    gate/up) whose parts differ in format (a Q4_K_M file's Q6_K attn_v) runs one kernel call per run. The
+    kernel quantises x to 8-bit blocks and takes integer dot products with the blocks as stored, as
+    llama.cpp does, so it reads 4-7x fewer bytes than float32 weights and does a quarter of the arithmetic.
+    norm: the RMSNorm in front of this layer, applied by the kernel in the same pass over x (quantize_gguf
+    folds it in), or None. gated: x holds gate then up (2 * in_features values a row) and the layer's input
+    is silu(gate) * up, computed in the same pass (SwiGLU folded into the down projection).
     """
 
-    def __init__(self, ggml_type: int, rows: np.ndarray, in_features: int, bias: Tensor | None):
+    def __init__(self, parts: list[tuple[int, np.ndarray]], in_features: int, bias: Tensor | None = None,
+                 norm: nn.Module | None = None):
         super().__init__()
-        name, block_bytes = GGML_BLOCKS[ggml_type]
-        blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, block_bytes)
-        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, rows.shape[0]
-        self.register_buffer("d", _half_to_float(blocks[..., 0:2]))
-        self.register_buffer("m", _half_to_float(blocks[..., 2:4]) if name == "Q4_1" else None)
-        self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if name == "Q4_1" else 2:])))
+        self.gated = False
+        self.in_features, self.out_features = in_features, sum(rows.shape[0] for _, rows in parts)
+        self.parts = []  # (ggml type, first output row, rows) of each run
+        for i, (ggml_type, rows) in enumerate(parts):
+            name, per_block, block_bytes = GGML_BLOCKS[ggml_type]
+            if in_features % per_block or rows.shape[1] != in_features // per_block * block_bytes:
+                raise ValueError(f"{name} rows of {rows.shape[1]} bytes do not hold {in_features} weights")
+            self.register_buffer(f"blocks{i}", torch.from_numpy(np.array(rows, dtype=np.uint8)))
+            self.parts.append((ggml_type, sum(r.shape[0] for _, r in parts[:i]), rows.shape[0]))
         self.register_buffer("bias", bias)
+        self.register_buffer("norm_weight", None if norm is None else norm.weight.detach().float().contiguous())
+        self.eps = 0.0 if norm is None else norm.eps
+
+    @property
+    def ggml_types(self) -> list[int]:
+        return [ggml_type for ggml_type, _, _ in self.parts]
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        flat = x.reshape(-1, self.in_features * (2 if self.gated else 1)).contiguous()
         y = torch.empty(flat.shape[0], self.out_features)
-        _kernel().gguf_linear(self.ggml_type, flat.data_ptr(), flat.shape[0], self.in_features, self.qs.data_ptr(),
-                              self.d.data_ptr(), 0 if self.m is None else self.m.data_ptr(), self.out_features,
-                              y.data_ptr(), torch.get_num_threads())
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        norm = 0 if self.norm_weight is None else self.norm_weight.data_ptr()
+        for i, (ggml_type, first, rows) in enumerate(self.parts):
+            _kernel().gguf_linear(ggml_type, flat.data_ptr(), flat.shape[0], self.in_features,
+                                  getattr(self, f"blocks{i}").data_ptr(), rows, y.data_ptr() + 4 * first,
+                                  self.out_features, norm, self.eps, self.gated, torch.get_num_threads())
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
+class FusedFeedForward(nn.Module):
+    """model.FeedForward on GGUF blocks: w2's kernel call applies SwiGLU to w13's output as it quantises it."""
+
+    def __init__(self, w13: GGUFLinear, w2: GGUFLinear):
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+        w2.gated = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.w13(x))
+
+
+class FusedAttention(nn.Module):
+    """model.Attention on the CPU: after the q/k/v matmul, RoPE, the KV-cache write and causal GQA attention are
+    one C call (kernels/attention.c); on a decode step its ~20 PyTorch ops cost more than their arithmetic.
+    The mask argument is not read: Transformer.forward's mask is always "key position <= query position"."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.wqkv, self.wo, self.layer = attention.wqkv, attention.wo, attention.layer
+        self.n_heads, self.n_kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+
+    def forward(self, x, cos, sin, mask, cache, rows, input_pos, kv_len):
+        bsz, seqlen, _ = x.shape
+        qkv = self.wqkv(x).contiguous()
+        slots = torch.arange(bsz) if rows is None else rows.contiguous()
+        positions, cos, sin = input_pos.contiguous(), cos.contiguous(), sin.contiguous()
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        out = torch.empty(bsz, seqlen, self.n_heads * self.head_dim)
+        _kernel().attention(qkv.data_ptr(), bsz, seqlen, self.n_heads, self.n_kv_heads, self.head_dim, cos.data_ptr(),
+                            sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slots.data_ptr(),
+                            positions.data_ptr(), kv_len, out.data_ptr(), torch.get_num_threads())
+        return self.wo(out)
+
+
 def quantize_gguf(model: Transformer, blocks: dict | None, device: torch.device, dtype: torch.dtype) -> int:
-    """Swap, in place, every linear layer whose GGUF tensors are in a native block format for a GGUFLinear.
+    """Swap, in place, every linear layer whose GGUF tensors are in a native block format for a GGUFLinear,
+    fold each RMSNorm into the layer it feeds (the kernel normalises while it quantises x), and run each
+    layer's attention and SwiGLU as fused CPU calls (FusedAttention, FusedFeedForward).
 
     blocks is weights.LoadedModel.gguf_blocks. Returns how many layers were swapped; the others (other
-    block formats, or parts of a fused layer in different formats) keep their float weights.
+    block formats) keep their float weights.
     """
     if blocks is None:
         raise ValueError("quantization gguf runs a GGUF file's own blocks: the model is not a GGUF file")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError("quantization gguf runs on the CPU in float32 (use --device cpu --dtype float32)")
     _kernel()  # fail here, with the compiler's message, not at the first request
+    norms = {"output": (model, "norm")}  # linear -> (module, attribute) of the RMSNorm in front of it
+    for i, layer in enumerate(model.layers):
+        norms[f"layers.{i}.attention.wqkv"] = (layer, "attention_norm")
+        norms[f"layers.{i}.feed_forward.w13"] = (layer, "ffn_norm")
     swapped = 0
     for path, linear in [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]:
         parent_path, _, attr = path.rpartition(".")
         if path == "output":
-            parts = ["tok_embeddings" if linear.weight is model.tok_embeddings.weight else "output"]
+            names = ["tok_embeddings" if linear.weight is model.tok_embeddings.weight else "output"]
         else:
-            parts = [f"{parent_path}.{part}" for part in FUSED.get(attr, (attr,))]
-        sources = [blocks.get(f"{part}.weight") for part in parts]
-        if any(s is None for s in sources) or len({ggml_type for ggml_type, _ in sources}) != 1:
+            names = [f"{parent_path}.{part}" for part in FUSED.get(attr, (attr,))]
+        sources = [blocks.get(f"{name}.weight") for name in names]
+        if any(s is None for s in sources):
             continue
-        rows = np.concatenate([r for _, r in sources]) if len(sources) > 1 else sources[0][1]
-        native = GGUFLinear(sources[0][0], rows, linear.in_features, linear.bias)
-        setattr(model.get_submodule(parent_path) if parent_path else model, attr, native)
+        runs = []  # neighbouring parts in one format become one run of rows
+        for ggml_type, rows in sources:
+            if runs and runs[-1][0] == ggml_type:
+                runs[-1] = (ggml_type, np.concatenate([runs[-1][1], rows]))
+            else:
+                runs.append((ggml_type, rows))
+        owner, norm_attr = norms.get(path, (None, None))
+        norm = getattr(owner, norm_attr) if owner is not None else None
+        setattr(model.get_submodule(parent_path) if parent_path else model, attr,
+                GGUFLinear(runs, linear.in_features, linear.bias, norm))
+        if owner is not None:
+            setattr(owner, norm_attr, nn.Identity())
         swapped += 1
+    for layer in model.layers:
+        if isinstance(layer.attention.wqkv, GGUFLinear):
+            layer.attention = FusedAttention(layer.attention)
+        ff = layer.feed_forward
+        if isinstance(ff.w13, GGUFLinear) and isinstance(ff.w2, GGUFLinear):
+            layer.feed_forward = FusedFeedForward(ff.w13, ff.w2)
     return swapped
 
 
-def _half_to_float(raw: np.ndarray) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
-
-
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """kernels/gguf_linear.c built for this CPU (a second, once: cached by source, compiler and flags)."""
+    """kernels/*.c built for this CPU (a second, once: cached by source, compiler, flags and the
+    CPU's feature flags, since -march=native builds for the CPU it runs on and a home directory may be shared)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("quantization gguf compiles a small C kernel and no C compiler (cc, gcc) was found")
-    flags = ["-O3", "-march=native", *extra_flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    flags = ["-O3", "-march=native", *extra_flags, "-fopenmp", "-shared", "-fPIC"]
+    sources = b"".join(path.read_bytes() for path in KERNEL_SOURCES)
+    key = hashlib.sha256(sources + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autotune" / "kernels"
     library = cache_dir / f"gguf_linear-{key}.so"
     if not library.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([compiler, *flags, "-o", str(partial), str(KERNEL_SOURCE)], capture_output=True, text=True)
+        built = subprocess.run([compiler, *flags, "-o", str(partial), *map(str, KERNEL_SOURCES)], capture_output=True,
+                               text=True, check=False)
         if built.returncode != 0:
             last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
             raise RuntimeError(f"building the gguf kernel with {compiler} failed: {last_line}")
         partial.replace(library)  # atomic: concurrent engines never load a half-written library
     lib = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    lib.gguf_linear.restype = None
+    lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer, ctypes.c_float,
+                                ctypes.c_int, ctypes.c_int]
+    lib.gguf_linear.restype = ctypes.c_int
+    lib.attention.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer, size, pointer,
+                              pointer, size, pointer, ctypes.c_int]
+    lib.attention.restype = None
     return lib
+
+
+def _cpu_flags() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.machine())
 
 
 @cache
