@@ -61,6 +61,8 @@ class ModelRunner:
         if logits_from or width > MAX_GRAPH_WIDTH:
             return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len,
                               logits_from=logits_from)
+        if not (self.compiled or self.graph_sizes or self.fixed_shape):  # eager: rows None reads the cache as a view
+            return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
         rows = rows if rows is not None else torch.arange(batch, device=input_ids.device)
         if self.fixed_shape and num_layers is None:
             return self._padded(input_ids, input_pos, rows, self.scratch_slot, MAX_GRAPH_WIDTH, num_layers)
@@ -69,8 +71,7 @@ class ModelRunner:
             return self._padded(input_ids, input_pos, rows, size, width_bucket, num_layers)
         # Standard strides, as warm_up's: dynamo guards them (even of size-1 dims, which contiguous() keeps),
         # and the scheduler's rows are a strided column of its packed ints.
-        if self.compiled:
-            input_ids, input_pos, rows = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, input_pos, rows))
+        input_ids, input_pos, rows = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, input_pos, rows))
         return self.step_forward(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
 
     def _padded(self, input_ids, input_pos, rows, size, width_bucket, num_layers):
