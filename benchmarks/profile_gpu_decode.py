@@ -7,7 +7,11 @@ fixed-shape runner (--step-shape fixed). Each (batch, width) step is timed as th
 forward (or graph replay) + argmax + one host sync. Per forward without graphs: kernel count, GPU
 time, and the host gap (step wall time - GPU busy time). Random weights: speed does not depend on values.
 
-    python3 benchmarks/profile_gpu_decode.py [--steps 50] [--out profile.json]
+    python3 benchmarks/profile_gpu_decode.py [--steps 50] [--runners eager,eager+graphs] [--out profile.json]
+
+Cold (a fresh machine, empty inductor cache) the two compiled runners need several minutes: the
+compile of each specialisation (batch 1 or more x width 1 or more) took 8-85 s on the H200 host
+(benchmarks/results/h200-2026-12-01b). --runners eager,eager+graphs gives the kernel tables in seconds.
 """
 import argparse
 import json
@@ -78,7 +82,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--runners", default="inductor+graphs,inductor+graphs fixed,eager+graphs,eager,inductor",
+                        help="comma-separated, from: inductor+graphs, inductor+graphs fixed, eager+graphs, eager, "
+                             "inductor (the kernel table of the compiled forward without graphs)")
     args = parser.parse_args()
+    chosen = args.runners.split(",")
     model = random_model()
     cache = lambda: KVCache(SMOLLM2_135M, SLOTS + 1, SMOLLM2_135M.max_seq_len, torch.bfloat16, "cuda")
     report = {"shapes": SHAPES, "steps": args.steps, "device": torch.cuda.get_device_name(),
@@ -88,6 +96,7 @@ def main():
                                                     fixed_shape=True),
                "eager+graphs": ModelRunner(model, cache(), "none", GRAPH_SIZES, scratch_slot=SLOTS),
                "eager": ModelRunner(model, cache())}
+    runners = {name: runner for name, runner in runners.items() if name in chosen}
     for name, runner in runners.items():
         if name != "eager":
             report["warm_up_s"][name] = round(runner.warm_up(SLOTS, range(1, MAX_GRAPH_WIDTH + 1)), 1)
@@ -98,8 +107,9 @@ def main():
         if runner.late_captures:
             print(f"{name}: {runner.late_captures} graphs captured after warm-up", flush=True)
         save(report, args.out)
-    runners["inductor"] = ModelRunner(model, cache(), "inductor")  # the same compiled forward, without graphs
-    for name in ("eager", "inductor", "inductor+graphs"):
+    if "inductor" in chosen:
+        runners["inductor"] = ModelRunner(model, cache(), "inductor")  # the same compiled forward, without graphs
+    for name in [n for n in ("eager", "eager+graphs", "inductor", "inductor+graphs") if n in runners]:
         for b, w in ((1, 1), (1, 5), (8, 5)):
             p = kernel_profile(runners[name], b, w)
             report["kernels"][f"{name} {b}x{w}"] = p
