@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from autotune import estimator as est
 
@@ -69,6 +70,8 @@ def parse():
     parser.add_argument("--combine", nargs="+", metavar="EVAL_DIR",
                         help="pool the eval-requests.parquet of these runs of --estimator (no new measurement)")
     parser.add_argument("--early-exit-layers", type=int, help="L of the early_exit drafter (default: the engine's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another engine setting for every server, e.g. --set step_shape=fixed (repeatable)")
     parser.add_argument("--summary", help="summary.json to put each drafter's row in")
     parser.add_argument("--machine", help="the summary rows' machine (default: the CUDA device's name, else 'cpu')")
     return parser.parse_args()
@@ -77,6 +80,9 @@ def parse():
 def run(args, drafter: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     engine = {"threads": args.threads} if args.threads else {}
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        engine[key] = yaml.safe_load(value)
     if args.early_exit_layers and drafter == "early_exit":
         engine["early_exit_layers"] = args.early_exit_layers
     config = {"drafter": drafter, "draft_length": 4, **engine}
