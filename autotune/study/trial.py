@@ -191,7 +191,8 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
             save_requests(p, trial.number, config, requests, "quick")
             return finish(TrialState.PRUNED, constraint="feasible", status=record.PRUNED, failure_kind="timeout",
                           failure=f"quick measurement: {timed_out} of {quick.get('sent')} requests took over "
-                                  f"{timeout:.0f} s ({QUICK_TIMEOUT_FACTOR:g}x the {reference})")
+                                  + (f"{timeout:.0f} s ({QUICK_TIMEOUT_FACTOR:g}x the {reference})" if timeout else
+                                     "the client's request timeout (no trial measured before: no reference)"))
         first = objectives.values(quick, opts.objective)
         if first is not None and len(study.directions) == 1:
             trial.report(first[0], step=0)
