@@ -53,7 +53,8 @@ def serve(
     compile: str = typer.Option(_SERVE_DEFAULTS.compile, help=" | ".join(_engine_config.COMPILE_BACKENDS)),
     cuda_graph_batch_sizes: str = typer.Option("", help="comma-separated batch sizes to capture, e.g. 1,2,4 (CUDA)"),
     step_shape: str = typer.Option(_SERVE_DEFAULTS.step_shape, help=" | ".join(_engine_config.STEP_SHAPES)
-                                   + " (fixed: greedy output identical with and without speculation on CUDA)"),
+                                   + " (fixed: one padded shape per step, for greedy output independent of k "
+                                   "and concurrency on CUDA; unverified on a GPU yet)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's)"),
     device: str = typer.Option(_SERVE_DEFAULTS.device, help="auto | cpu | cuda | cuda:N"),
     max_seq_len: int = typer.Option(_SERVE_DEFAULTS.max_seq_len, help="context length (KV cache per slot)"),

@@ -6,8 +6,9 @@ DRAFT_POLICIES = ("fixed", "adaptive", "estimator")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
-# fixed: every decode/verify step runs at one padded shape, so greedy output on CUDA does not depend on
-# the draft length or the concurrency (bit-identical with and without speculation); bucketed: faster.
+# fixed: every decode/verify step runs at one padded shape (the same kernels for every token), meant to
+# make greedy output on CUDA independent of the draft length and the concurrency; bucketed: faster.
+# Not yet verified on a GPU (benchmarks/results/h200-2026-12-01b); a wide step costs ~2.5x a plain one there.
 STEP_SHAPES = ("bucketed", "fixed")
 MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
@@ -35,7 +36,7 @@ class EngineConfig:
     quantization: str = "none"  # of the target: int8 weight-only, or gguf (the GGUF's own blocks, CPU)
     compile: str = "none"
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
-    step_shape: str = "bucketed"  # fixed = exact greedy verification on CUDA (runner.py), at a cost
+    step_shape: str = "bucketed"  # fixed: one padded shape for every step (runner.py), for exact greedy on CUDA
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_seq_len: int = 2048  # KV cache length per slot

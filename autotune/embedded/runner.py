@@ -11,8 +11,9 @@ to a scratch cache slot) and width bucket (columns at the positions after the ro
 mask hides and the next step overwrites), and attends the whole cache (a fixed shape).
 
 fixed_shape pads every full-depth step to one shape (all slots x MAX_GRAPH_WIDTH, the whole cache):
-each token is then computed by the same kernels whatever the draft length or the concurrency, so
-greedy output is bit-identical with and without speculation on CUDA (a wider GEMM rounds differently).
+each token is then computed by the same kernels whatever the draft length or the concurrency (a GEMM of
+another width may pick another kernel and round differently), which should make greedy output on CUDA
+the same with and without speculation. Checked on the CPU only so far (benchmarks/results/h200-2026-12-01b).
 """
 import time
 
