@@ -16,6 +16,13 @@ never the best of the sweep.
     python3 benchmarks/bench_embedded.py --peer llamacpp [--threads 1] [--tokens 128] [--pairs 5]
         [--select-prompts 2] [--ks 1,...,8] [--llama-ngram 2:4,2:8,4:16,12:48] [--out benchmarks/results/DIR]
 
+With --device cuda (a CUDA build of llama-server on PATH or in the cache): the embedded engine in bf16 with
+inductor and a CUDA graph at batch 1 (EMBEDDED_CUDA) against llama-server with every layer offloaded, 256
+tokens, and a fifth side in the confirmation rotation, transformers `generate` with a static cache in this
+process (hf_static_ratio = embedded plain / HF static):
+
+    python3 benchmarks/bench_embedded.py --peer llamacpp --device cuda --out benchmarks/results/h200-DATE
+
 --peer hf (the default, the modes below): in-process, against transformers.
 
 (a) plain greedy decode: the engine vs Hugging Face transformers `generate` (bs 1); with --quantization gguf
@@ -167,6 +174,10 @@ def hf_run(model, prompt, tokens: int, device, static: bool):
 # -- --peer llamacpp: the embedded server vs llama-server, paired ---------------------------------------
 LLAMA_SERVER_BASE = {"parallel": 1, "ctx_size": 2048}  # one slot: batch 1; context for the longest prompt + N
 EMBEDDED_BASE = {"quantization": "gguf", "verify_slots": 1, "device": "cpu", "max_seq_len": 2048, "seed": 0}
+# On a GPU: the embedded engine's fastest CUDA setup (bf16 weights dequantised from the GGUF, inductor, a CUDA
+# graph at batch 1) against a CUDA build of llama-server, which offloads every layer by default.
+EMBEDDED_CUDA = {"quantization": "none", "dtype": "bfloat16", "compile": "inductor", "cuda_graph_batch_sizes": [1],
+                 "verify_slots": 1, "max_seq_len": 2048, "seed": 0}
 BOOTSTRAP = 10_000
 
 
@@ -199,6 +210,24 @@ class Side:
     def close(self):
         self.client.close()
         self.server.stop()
+
+
+class HFStatic:
+    """transformers `generate` with cache_implementation="static" in this process, timed like a Side's request."""
+
+    def __init__(self, device: str, tokenizer):
+        self.model = hf_model(weights.bundled_gguf_path(), torch.bfloat16, device)
+        self.device, self.tokenizer = device, tokenizer
+
+    def request(self, prompt_ids: list[int], tokens: int) -> dict:
+        run = hf_run(self.model, prompt_ids, tokens, self.device, static=True)
+        run(warmup=True)  # the static cache compiles per prompt shape: not in the timed run
+        seconds, out = run()
+        return {"seconds": seconds, "tok_s": tokens / seconds, "text": self.tokenizer.decode(out), "drafted": 0,
+                "accepted": 0}
+
+    def close(self):
+        pass
 
 
 def interval(ratios: list[float], seed: int, level: float = 0.95) -> tuple[float, float]:
@@ -253,7 +282,11 @@ def peer_llamacpp(args) -> None:
     binary = find_binary()
     if not binary:
         raise SystemExit(f"llama-server not found: {INSTALL_HINT}")
-    threads, tokens = args.threads or 1, args.tokens or 128
+    cuda = args.device.startswith("cuda")
+    threads, tokens = args.threads or 1, args.tokens or (256 if cuda else 128)
+    # CPU: the same thread count on both sides; CUDA: each server's default host threads
+    embedded_base = EMBEDDED_CUDA | {"device": args.device} if cuda else EMBEDDED_BASE | {"threads": threads}
+    llama_base = LLAMA_SERVER_BASE if cuda else LLAMA_SERVER_BASE | {"threads": threads}
     ks = [int(k) for k in args.ks.split(",")]
     # llama.cpp's ngram-simple settings: (size_n, size_m) = lookup n-gram, drafted m-gram. In build 11434 the
     # draft length of the n-gram types is size_m (--spec-draft-n-max bounds only draft-model types), and
@@ -267,9 +300,12 @@ def peer_llamacpp(args) -> None:
     reader = gguf.GGUFReader(path)
     tokenizer = tokenizer_from_gguf({k: f.contents() for k, f in reader.fields.items()})
     info = machine_info(threads, binary)
-    console.print(f"{path.name}: embedded --quantization gguf vs llama-server build {info['llama_server_build']}, "
-                  f"{threads} thread(s) each, batch 1, greedy, {tokens} tokens; {info['cpu']}, "
-                  f"{info['cores_visible']} cores, load {info['loadavg_start'][0]:.2f}")
+    if cuda:
+        info["gpu"] = torch.cuda.get_device_name(args.device)
+    setup = f"{embedded_base}" if cuda else f"--quantization gguf, {threads} thread(s) each"
+    console.print(f"{path.name}: embedded ({setup}) vs llama-server build {info['llama_server_build']}, batch 1, "
+                  f"greedy, {tokens} tokens; {info.get('gpu', info['cpu'])}, {info['cores_visible']} cores, "
+                  f"load {info['loadavg_start'][0]:.2f}")
 
     # Selection prompts first, confirmation prompts after them: disjoint sets of the same shuffled workload.
     prompts = {}
@@ -292,14 +328,15 @@ def peer_llamacpp(args) -> None:
         console.print(f"  up in {time.monotonic() - t0:.1f} s: {key} {config}")
 
     try:
-        start("embedded plain", "embedded", {**EMBEDDED_BASE, "threads": threads, "drafter": "none"})
+        start("embedded plain", "embedded", {**embedded_base, "drafter": "none"})
         # one n-gram server; k per request (the engine's runtime knob `draft_length`, what the tuner sets)
-        start("embedded ngram", "embedded", {**EMBEDDED_BASE, "threads": threads, "drafter": "ngram"})
-        start("llama plain", "llamacpp", {**LLAMA_SERVER_BASE, "threads": threads})
+        start("embedded ngram", "embedded", {**embedded_base, "drafter": "ngram"})
+        start("llama plain", "llamacpp", llama_base)
         for k in llama_ks:  # idle servers wait on a condition variable: no CPU taken from the one measured
             n, m = (int(v.split("=")[1]) for v in k.split(","))
-            start(f"llama ngram {k}", "llamacpp", {**LLAMA_SERVER_BASE, "threads": threads, "spec_type": "ngram-simple",
+            start(f"llama ngram {k}", "llamacpp", {**llama_base, "spec_type": "ngram-simple",
                                                   "spec_ngram_simple_size_n": n, "spec_ngram_simple_size_m": m})
+        hf_static = HFStatic(args.device, tokenizer) if cuda else None  # CUDA only: the issue's "2x HF static"
         warm = prompts[names[0]]["select"][0]
         for side in sides.values():
             side.request(warm, 16)  # allocator, kernel build, first-touch pages
@@ -363,18 +400,24 @@ def peer_llamacpp(args) -> None:
             settings = [("embedded plain", lambda: sides["embedded plain"]), ("llama plain", lambda: sides["llama plain"]),
                         (f"embedded ngram k={k_e}", lambda k=k_e: emb(k)),
                         (f"llama ngram {k_l}", lambda k=k_l: sides[f"llama ngram {k}"])]
+            if hf_static:
+                settings.append(("hf static", lambda: hf_static))
             runs = {label: [] for label, _ in settings}
             for i, ids in enumerate(prompts[name]["confirm"]):
-                for label, side in settings[i % 4:] + settings[:i % 4]:
+                turn = i % len(settings)
+                for label, side in settings[turn:] + settings[:turn]:
                     runs[label].append(side().request(ids, tokens))
                 console.print(f"  confirmation {name} prompt {i + 1}/{args.pairs} ({len(ids)} prompt tokens) done, "
                               f"{time.monotonic() - began:.0f} s")
-            ep, lp, es, ls = (runs[label] for label, _ in settings)
+            ep, lp, es, ls = (runs[label] for label, _ in settings[:4])
             seed = args.seed + 101 * w
-            found = [ratio_row("plain decode: embedded gguf / llama-server", ep, lp, seed),
+            found = [ratio_row("plain decode: embedded / llama-server", ep, lp, seed),
                      ratio_row(f"best n-gram: embedded k={k_e} / llama-server ngram-simple {k_l}", es, ls, seed + 1),
                      ratio_row(f"embedded n-gram k={k_e} / embedded plain", es, ep, seed + 2),
                      ratio_row(f"llama-server ngram-simple {k_l} / llama-server plain", ls, lp, seed + 3)]
+            if hf_static:
+                found.append(ratio_row("HF static: embedded plain / HF generate static cache", ep, runs["hf static"],
+                                       seed + 4))
             for row in found:
                 row["workload"] = name
             rows += found
@@ -420,15 +463,20 @@ def peer_llamacpp(args) -> None:
                    "/v1/completions request (prompt included), same token ids to both servers",
         "servers": launched, "rows": rows, "selection": selection, "confirmation": confirmation}
     (out / "bench-llamacpp.json").write_text(json.dumps(result, indent=1) + "\n")
-    summary_json = {"machine": f"{info['cpu']}, {info['cores_visible']} cores, {threads} thread(s)",
+    machine = (f"{info['gpu']}, embedded {embedded_base}" if cuda
+               else f"{info['cpu']}, {info['cores_visible']} cores, {threads} thread(s)")
+    hf_rows = [r for n in names for r in by[(n, "HF static")]["ratios"]] if cuda else None
+    summary_json = {"machine": machine,
                     "engine_commit": commit,
                     "plain_ratio": statistics.median(r for n in names for r in by[(n, "plain decode")]["ratios"]),
                     "spec_ratio": by[(names[0], "best n-gram")]["median"],
-                    "hf_static_ratio": None,
+                    "hf_static_ratio": statistics.median(hf_rows) if hf_rows else None,
                     "definitions": {"plain_ratio": "embedded / llama-server tok/s, plain decode, median over the "
                                                    "confirmation prompts of all workloads",
                                     "spec_ratio": f"embedded best n-gram / llama-server best n-gram, {names[0]} workload",
-                                    "hf_static_ratio": "CUDA only"},
+                                    "hf_static_ratio": "embedded plain / HF generate with a static cache (bf16, the "
+                                                       "same dequantised weights), median over the confirmation "
+                                                       "prompts of all workloads; CUDA only"},
                     "by_workload": {n: {"plain_ratio": by[(n, "plain decode")]["median"],
                                         "spec_ratio": by[(n, "best n-gram")]["median"], "chosen_k": chosen[n]}
                                     for n in names}}
