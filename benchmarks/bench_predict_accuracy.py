@@ -16,8 +16,9 @@
    priors only: held out entirely, nothing was fitted to them.
 3. The H200 (benchmarks/results/h200-2026-11-29, h200-2026-12-01): the embedded engine's single-stream
    measurements, grouped by launch (the server configuration they ran on). Priors, and leave-one-launch-
-   group-out: calibrated on every other group, each group predicted with its accept lengths hidden; the
-   peer is the mean speed of the other groups.
+   group-out: calibrated on every other group, each group predicted with its measured accept lengths (the
+   speed model alone) and with them hidden (alpha from the other groups' trials of that drafter, or its
+   prior); the peer is the mean speed of the other groups.
 """
 from __future__ import annotations
 
@@ -119,13 +120,17 @@ def h200() -> dict:
             hidden = {**t, "accept_length": None}  # the drafter's alpha from the other groups (or its prior)
             rows.append({"group": group, "source": t["source"], "config": t["config"], "measured": t["decode_tok_s"],
                          "prior": predict_trial(t, model, profile, engine=embedded),
-                         "held_out": predict_trial(hidden, model, profile, engine=embedded, calibration=cal),
+                         "prior_hidden_acceptance": predict_trial(hidden, model, profile, engine=embedded),
+                         "held_out": predict_trial(t, model, profile, engine=embedded, calibration=cal),
+                         "held_out_hidden_acceptance": predict_trial(hidden, model, profile, engine=embedded,
+                                                                     calibration=cal),
                          "peer": peer})
     err = lambda key: statistics.median(abs(r[key] / r["measured"] - 1) * 100 for r in rows)
     full = Calibration.fit(trials, model, profile, engine=embedded)
-    return {"rows": rows, "groups": len(groups), "median_abs_pct_error": {k: err(k) for k in ("prior", "held_out", "peer")},
+    keys = ("prior", "held_out", "prior_hidden_acceptance", "held_out_hidden_acceptance", "peer")
+    return {"rows": rows, "groups": len(groups), "median_abs_pct_error": {k: err(k) for k in keys},
             "spearman_vs_measured": {k: _spearman([r[k] for r in rows], [r["measured"] for r in rows])
-                                     for k in ("prior", "held_out")},
+                                     for k in keys[:4]},
             "calibration_all_groups": full.to_dict()}
 
 
@@ -155,8 +160,9 @@ def main():
     print(f"3. H200, embedded engine, SmolLM2-135M, batch 1: {len(gpu['rows'])} measurements in {gpu['groups']} launch groups")
     for r in gpu["rows"]:
         knobs = ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "dtype")
-        print(f"   {r['group']:22s} {knobs[:70]:70s} measured {r['measured']:6.1f} prior {r['prior']:6.1f} "
-              f"held-out {r['held_out']:6.1f}")
+        print(f"   {r['group']:22s} {knobs[:64]:64s} measured {r['measured']:6.1f} prior {r['prior']:6.1f} "
+              f"held-out {r['held_out']:6.1f} (acceptance hidden: {r['prior_hidden_acceptance']:6.1f} / "
+              f"{r['held_out_hidden_acceptance']:6.1f})")
     print("   median |error| " + ", ".join(f"{k} {v:.1f} %" for k, v in gpu["median_abs_pct_error"].items())
           + ";  Spearman " + ", ".join(f"{k} {v:+.2f}" for k, v in gpu["spearman_vs_measured"].items()))
     print(f"   fitted on all groups: {json.dumps(gpu['calibration_all_groups']['coefficients'])}")

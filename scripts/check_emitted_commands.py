@@ -4,10 +4,12 @@
     /tmp/venv-sglang/bin/python scripts/check_emitted_commands.py check OUT.json sglang RESULT.json
     /tmp/venv-vllm/bin/python   scripts/check_emitted_commands.py check OUT.json vllm RESULT.json
 
-`emit` ranks each engine's space for three GPU profiles (Ampere with Marlin FP8, Hopper, a 24 GB card) x 1
-and 4 GPUs x three model presets x each kind of draft checkpoint (none, EAGLE-1, EAGLE-3, DFlash,
-standalone) and keeps what `autotune estimate` would print (the top TOP) plus the best configuration of
-every combination of the main axes (COVER: tp, quantization, KV dtype, drafter, its draft shape), and
+`emit` enumerates each engine's space as `autotune estimate` does (rank.candidate_configs) for three GPU
+profiles (Ampere with Marlin FP8, Hopper, a 24 GB card) x 1 and 4 GPUs x three model presets x each kind
+of draft checkpoint (none, EAGLE-1, EAGLE-3, DFlash, standalone), keeps those the adapter's rules and the
+hardware/checkpoint constraints accept (what estimate would rank, before memory), one per combination
+of the main axes (COVER: tp, quantization, KV dtype, drafter, tree or chain, memory fraction; the first,
+so with the space's default draft lengths), and
 writes the distinct argv lists. The target and drafts are small local config.json
 directories (written next to OUT.json) so that the engines' validation, which reads the model's config,
 can run without downloading anything; the predictions use the presets' shapes. `check` runs in a venv
@@ -16,21 +18,37 @@ autotune/engines/real_parser.py's checks to each command: SGLang's prepare_serve
 check_server_args (with --device cpu added, as that module needs on a machine without a GPU), vLLM's
 parser + EngineArgs.create_engine_config().
 """
+import dataclasses
 import json
+import struct
 import sys
 from pathlib import Path
 
 PROFILES = ("a100-80gb-sxm4", "h100-sxm5", "rtx-3090")
 MODELS = ("llama-3.1-8b", "qwen3.5-27b", "gemma-2-27b")
-TOP = 20
 COVER = ("tp_size", "tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_method",
-         "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "num_speculative_tokens")
+         "speculative_eagle_topk", "mem_fraction_static", "gpu_memory_utilization")
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
          "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128009}
+# A hybrid target with one MTP layer (Qwen3-Next's layout, small), for the MTP / NEXTN configurations.
+MTP_TARGET = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
+              "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+              "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+              "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True,
+              "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+              "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_num_key_heads": 16,
+              "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+              "linear_conv_kernel_dim": 4, "num_nextn_predict_layers": 1, "mtp_num_hidden_layers": 1,
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False}
+# What a 4-bit checkpoint's config.json says (AutoAWQ's and GPTQModel's quantization_config).
+FORMATS = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+           "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}
 HEAD = {**LLAMA, "num_hidden_layers": 1}
-DRAFTS = {"eagle": {**HEAD, "architectures": ["LlamaForCausalLMEagle"]},
+# EAGLE-1 as its authors released it (LlamaForCausalLM + fc over 2 x hidden: the name vLLM accepts);
+# EAGLE-3 and DFlash heads by their architecture names.
+DRAFTS = {"eagle": HEAD,
           "eagle3": {**HEAD, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000},
           "dflash": {**HEAD, "num_hidden_layers": 5, "architectures": ["DFlashDraftModel"], "block_size": 16,
                      "dflash_config": {"target_layer_ids": [1, 8, 15, 22, 29], "mask_token_id": 128002}},
@@ -40,33 +58,47 @@ DRAFTS = {"eagle": {**HEAD, "architectures": ["LlamaForCausalLMEagle"]},
 
 def emit(out: Path) -> None:
     from autotune.engines import get_adapter
-    from autotune.hardware import get_profile
-    from autotune.predict import draft_kind, load_model, rank_configs
+    from autotune.hardware import get_profile, planned
+    from autotune.predict import draft_kind, load_model
+    from autotune.predict.rank import candidate_configs
     from autotune.space import load_space
+    from autotune.space.constraints import CHECKPOINT_FORMATS, ModelShape, hardware_violations
 
     root = out.parent / "models"
-    target = root / "target"
-    for name, config in {"target": LLAMA, **DRAFTS}.items():
+    targets = {"target": LLAMA, "target-mtp": MTP_TARGET}
+    targets |= {f"{name}-{fmt}": {**config, "quantization_config": q} for name, config in list(targets.items())
+                for fmt, q in FORMATS.items()}
+    for name, config in {**targets, **DRAFTS}.items():
         (root / name).mkdir(parents=True, exist_ok=True)
         (root / name / "config.json").write_text(json.dumps(config))
+    fc = {"fc.weight": {"dtype": "BF16", "shape": [4096, 8192], "data_offsets": [0, 0]}}  # header only: no weights read
+    header = json.dumps(fc).encode()
+    (root / "eagle" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+
+    def target_for(engine, config) -> Path:
+        """The local target a configuration needs: MTP layers for mtp/NEXTN, the 4-bit format it reads."""
+        name = "target-mtp" if engine.knobs(config).drafter == "mtp" else "target"
+        fmt = CHECKPOINT_FORMATS.get(str(config.get("quantization")).lower())
+        return root / (f"{name}-{fmt}" if fmt else name)
     commands = {}
     for engine_name in ("sglang", "vllm"):
-        engine, space, seen = get_adapter(engine_name), load_space(engine_name), set()
+        engine, space, seen, covered = get_adapter(engine_name), load_space(engine_name), set(), set()
+        candidates = candidate_configs(space, engine)
         for profile in map(get_profile, PROFILES):
             for gpus in (1, 4):
+                hw = dataclasses.replace(planned(profile), gpus=planned(profile).gpus * gpus)
                 for model in map(load_model, MODELS):
                     for draft in (None, *DRAFTS):
                         path = str(root / draft) if draft else None
-                        ranked = rank_configs(space, model, profile, gpus, top=10_000, engine=engine,
-                                              has_draft_model=bool(draft), draft_kind=draft_kind(path) if path else None)
-                        covered, kept = set(), []
-                        for i, (config, _) in enumerate(ranked):
-                            key = tuple(config.get(k) for k in COVER)
-                            if i < TOP or key not in covered:
-                                kept.append(config)
+                        shape = ModelShape.of(model, draft_kind(path) if path else None)
+                        for config in candidates:
+                            key = (tuple(config.get(k) for k in COVER), draft)
+                            if key in covered or engine.check(config, hw, has_draft_model=bool(draft)) or \
+                                    hardware_violations(config, hw, shape, adapter=engine):
+                                continue
                             covered.add(key)
-                        for config in kept:
-                            argv, _ = engine.command(config, model=str(target), draft_model=path, host="127.0.0.1",
+                            argv, _ = engine.command(config, model=str(target_for(engine, config)), draft_model=path,
+                                                     host="127.0.0.1",
                                                      port=engine.default_port)
                             seen.add(tuple(engine.engine_args(argv)))
         commands[engine_name] = sorted(map(list, seen))

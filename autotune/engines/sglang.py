@@ -67,6 +67,11 @@ class SGLangAdapter(EngineAdapter):
             config["quantization"], env["SGLANG_FORCE_FP8_MARLIN"] = "fp8", "1"
         if draft_model and config.get("speculative_algorithm") in EAGLE_FAMILY + ("DFLASH",):
             config.setdefault("speculative_draft_model_path", draft_model)
+        elif model and config.get("speculative_algorithm") == "NEXTN":
+            # the draft worker loads the MTP layers from --speculative-draft-model-path, which SGLang fills
+            # in by itself only for the DeepSeek-style architectures it lists (speculative_hook.py,
+            # _handle_eagle_family; tp_worker._init_model_config): the target's own checkpoint
+            config.setdefault("speculative_draft_model_path", model)
         args = config_args(config, load_schema(self.name, self.version))
         head = (["--model-path", model] if model else []) + ["--host", host, "--port", str(port), "--enable-metrics"]
         return [*self.entry, *head, *args, *extra_args], env

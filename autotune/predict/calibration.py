@@ -6,8 +6,8 @@ prefill included) with "prompt_tokens", "output_tokens", "num_requests"; optiona
 (tokens per verify step as the engine reports it) and "context_len"}. `trial_from_metrics` builds one
 from a study trial's config and its bench summary.
 
-Fit: least squares on log time over the five Coefficients (bytes, FLOPs, per-step overhead, per-kernel
-floor, per-kernel eager launch), with a weak pull (ridge in log space) towards the priors so that a
+Fit: least squares on log time over the six Coefficients (bytes, FLOPs, per-step overhead, per-kernel
+floor, per-kernel eager launch, per-speculative-step host work), with a weak pull (ridge in log space) towards the priors so that a
 handful of trials cannot send an unconstrained term anywhere; a coarse log grid refined three times
 (numpy only). The study refits after its first measured trials (autotune/study/loop.py), so a small
 model's kernel-bound steps replace the byte-bound priors before the predicted seeds are chosen. Alpha per drafter family: the median of the alphas that
@@ -35,8 +35,8 @@ from autotune.predict.speed import (
     prefill_passes,
 )
 
-NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "kernel_s", "launch_s")
-GRID_POINTS = 9  # per coefficient and refinement: 9^5 = 59049 candidates
+NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "kernel_s", "launch_s", "spec_step_s")
+GRID_POINTS = 7  # per coefficient and refinement: 7^6 = 117649 candidates
 RIDGE = 0.02  # weight of (log coefficient - log prior)^2 against the squared log errors
 
 
@@ -71,8 +71,9 @@ def trial_passes(trial: dict, model: ModelSpec, profile, engine: Engine, alphas:
 
 
 def _arrays(items):
-    """Per-pass arrays (count, mem, compute, comm, steps, kernels, eager kernels) and the trial each belongs to."""
-    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s, p.steps, p.kernels, p.kernels if p.eager else 0)
+    """Per-pass arrays (count, mem, compute, comm, steps, kernels, eager kernels, speculative steps) and the
+    trial each belongs to."""
+    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s, p.steps, p.kernels, p.kernels if p.eager else 0, p.spec_steps)
             for i, (passes, _, _) in enumerate(items) for c, p in _merged(passes)]
     a = np.array(rows, dtype=float)
     return a[:, 0].astype(int), a[:, 1:]
@@ -87,10 +88,11 @@ def _merged(passes):
 
 
 def _predicted_seconds(theta: np.ndarray, owner: np.ndarray, cols: np.ndarray, n: int) -> np.ndarray:
-    """theta (G, 5) -> seconds (G, n) per trial (Pass.seconds, vectorised)."""
-    count, mem, comp, comm, steps, kernels, eager = cols.T
-    ms, cs, so, ks, ls = (theta[:, i:i + 1] for i in range(5))
-    per_pass = count * (np.maximum(np.maximum(ms * mem, cs * comp), ks * kernels) + comm + so * steps + ls * eager)
+    """theta (G, 6) -> seconds (G, n) per trial (Pass.seconds, vectorised)."""
+    count, mem, comp, comm, steps, kernels, eager, spec = cols.T
+    ms, cs, so, ks, ls, ss = (theta[:, i:i + 1] for i in range(len(NAMES)))
+    per_pass = count * (np.maximum(np.maximum(ms * mem, cs * comp), ks * kernels) + comm + so * steps + ls * eager
+                        + ss * spec)
     out = np.zeros((theta.shape[0], n))
     for j in range(n):
         out[:, j] = per_pass[:, owner == j].sum(axis=1)

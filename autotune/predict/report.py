@@ -12,6 +12,7 @@ from autotune.predict.knobs import Engine
 from autotune.predict.models import draft_kind, load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
 from autotune.space import load_space
+from autotune.space.constraints import CHECKPOINT_FORMATS
 
 REFUSED_SHOWN = 10  # pinned configurations refused, listed with their reasons
 
@@ -57,11 +58,12 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
         return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine.name,
                            "concurrency": concurrency, "pinned": pins, "configs": rows, "refused": refused_rows},
                           indent=2, default=str)
-    return _table(rows, spec.name, where, engine.name, concurrency, profile, pins, refused_rows)
+    return _table(rows, spec.name, where, engine.name, concurrency, profile, pins, refused_rows,
+                  spec.source.startswith("https://"))
 
 
 def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile, pins: dict,
-           refused: list[dict]) -> str:
+           refused: list[dict], model_is_preset: bool) -> str:
     title = (f"PREDICTED (not measured): {model} on {where}, {engine}, ranked by "
              + (f"tok/s at concurrency {concurrency}" if concurrency > 1 else "single-stream tok/s"))
     table = Table(title=title)
@@ -84,6 +86,11 @@ def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: i
         console.print(f"  refused: {knobs}: {'; '.join(r['reasons'])}", soft_wrap=True)
     if not rows:
         console.print("no configuration fits: see `autotune estimate --help` for --num-gpus, --gpu, --set")
+    formats = sorted({CHECKPOINT_FORMATS[str(r["config"].get("quantization")).lower()] for r in rows
+                      if str(r["config"].get("quantization")).lower() in CHECKPOINT_FORMATS})
+    if formats and model_is_preset:
+        console.print(f"{' / '.join(f.upper() for f in formats)} rows load a 4-bit checkpoint of {model}: point --model-path "
+                      "/ --model at one (its AWQ or GPTQ repo), not at the 16-bit weights named below")
     note = "" if profile.is_gpu else " (CPU: no bandwidth on the profile; assumed, see autotune/predict/speed.py)"
     console.print(f"PREDICTED launch commands{note}:")
     for r in rows:

@@ -4,6 +4,7 @@ and concurrency.
 A decode step is a list of forward passes (the target's verify pass, the drafter's passes). Each pass
 takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, kernels * kernel_s)
         + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
+        + spec_step_s (once per speculative step: proposing, acceptance, the host waiting on the GPU)
 Bytes: the weights once per pass plus every sequence's KV cache; FLOPs: 2 x parameters x tokens plus
 attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer (plus the adapter's
 extra_layer_kernels, e.g. a dequantize kernel per linear layer) and HEAD_KERNELS per pass. Even under a
@@ -62,13 +63,17 @@ class Coefficients:
     step_overhead_s: float = 0.5e-3  # scheduling, sampling, graph launch per decode step
     kernel_s: float = 2.5e-6  # one kernel's floor inside a CUDA graph (hardware profile: kernel_us.graph)
     launch_s: float = 8e-6  # one kernel's launch from eager PyTorch (hardware profile: kernel_us.eager)
+    # host work a speculative step adds (proposing drafts, reading back how many were accepted before the
+    # next step can start): no public figure; the order of a step's own overhead, a guess that
+    # calibration replaces from the study's first speculative trials
+    spec_step_s: float = 0.5e-3
 
 
 # No profile numbers on a CPU machine: assumed here, replaced by calibration (benchmarks/bench_predict_accuracy.py).
 CPU_BANDWIDTH_GBPS = 20.0  # a share of a server's DDR4/DDR5 channels
 CPU_GFLOPS_PER_CORE = 25.0  # fp32 AVX2 FMA at ~2 GHz, half of the theoretical 64
 CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, kernel_s=CPU_KERNEL_S,
-                                launch_s=CPU_LAUNCH_S)
+                                launch_s=CPU_LAUNCH_S, spec_step_s=1e-3)
 # All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
 NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
 # A DFlash drafter's layers when the draft checkpoint is not given (its config says; a guess).
@@ -84,10 +89,12 @@ class Pass:
     kernels: int  # kernels the pass launches
     eager: bool  # launched kernel by kernel (not replayed from a CUDA graph)
     steps: int = 1  # scheduler steps it closes (the verify pass 1; a draft pass 0: it runs inside the step)
+    spec_steps: int = 0  # speculative steps it closes (the verify pass of a drafting config: 1)
 
     def seconds(self, c: Coefficients) -> float:
         return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s, c.kernel_s * self.kernels)
-                + self.comm_s + c.step_overhead_s * self.steps + (c.launch_s * self.kernels if self.eager else 0.0))
+                + self.comm_s + c.step_overhead_s * self.steps + (c.launch_s * self.kernels if self.eager else 0.0)
+                + c.spec_step_s * self.spec_steps)
 
 
 @dataclass
@@ -216,7 +223,8 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
 def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
                 draft: ModelSpec | None = None) -> list[Pass]:
     eager = not (k.cuda_graphs and batch <= (k.graph_max_bs or 0))
-    verify = target_pass(model, k, profile, batch, batch * k.verify_tokens, context, eager)
+    verify = replace(target_pass(model, k, profile, batch, batch * k.verify_tokens, context, eager),
+                     spec_steps=1 if k.drafter else 0)
     return [verify, *draft_passes(model, k, profile, batch, context, eager, draft)]
 
 

@@ -164,6 +164,9 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
     tp = adapter.tp_key
     if tp in params and params[tp].type == "int":
         narrow(tp, high=max(1, min(params[tp].high, _gpu_count(hw))))
+    elif tp in params and params[tp].type == "categorical" and _gpu_count(hw):
+        narrow(tp, choices=[c for c in params[tp].choices if c in (None, 1) or not hardware_violations(
+            {tp: c}, hw, shape, adapter=adapter)])  # TP dividing the GPUs and the model's heads
     if "early_exit_layers" in params and shape:
         narrow("early_exit_layers", high=min(params["early_exit_layers"].high, shape.n_layers - 1))
     return replace(space, params=params)
