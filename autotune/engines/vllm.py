@@ -5,7 +5,8 @@ Config keys are vLLM's option names (`max_num_seqs`, `cudagraph_capture_sizes`, 
 speculative ones, which are keys of its `--speculative-config` JSON: `speculative_method`
 (none | ngram | draft_model | eagle | eagle3 | dflash | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
 `prompt_lookup_max`. Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`:
-vLLM picks Marlin by itself on Ampere, where it is the only FP8 path).
+vLLM picks Marlin by itself on Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an
+AWQ / GPTQ checkpoint, whose own quantization_config vLLM follows (no flag).
 """
 import sys
 
@@ -16,6 +17,7 @@ SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min"
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "dflash", "mtp")
 NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
 NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
+CHECKPOINT_QUANTIZATION = ("awq_marlin", "gptq_marlin")  # 4-bit checkpoints, read as their config says
 # KV block size on CUDA when --block-size is unset (vllm/platforms/cuda.py sets 16; a hybrid model's
 # attention blocks grow until a page holds one recurrent state: predict/memory.py).
 DEFAULT_BLOCK_SIZE = 16
@@ -61,6 +63,12 @@ class VLLMAdapter(EngineAdapter):
         flags = {k: v for k, v in config.items() if k not in SPEC_KEYS}
         if flags.get("quantization") == "w8a16_fp8":
             flags["quantization"] = "fp8"
+        if flags.get("quantization") in CHECKPOINT_QUANTIZATION:
+            # the checkpoint's quantization_config decides: vLLM 0.33 serves AWQ/GPTQ checkpoints through
+            # AutoAWQ/AutoGPTQ, which pick the Marlin kernels on cc >= 8.0 by themselves
+            # (model_executor/layers/quantization/auto_awq.py, override_quantization_method); an explicit
+            # awq_marlin is refused where Marlin is not (the CPU)
+            flags.pop("quantization")
         spec = self.speculative_config(config, draft_model)
         if spec is not None:
             flags["speculative_config"] = spec
