@@ -45,7 +45,7 @@ def chosen(ctx: StudyContext) -> dict:
         w = doc["winner"]
         return {"trial": w["trial"], "config": w["config"], "validated": True, "stats": w.get("stats") or {},
                 "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written"),
-                "warning": w.get("warning")}
+                "warning": w.get("warning"), "repeats": w.get("repeats"), "tie": doc.get("tie")}
     best = ctx.ranked()
     if not best:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to export")
@@ -82,7 +82,8 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
             text += f" (95% CI {fmt.format(s['ci95'][0])}..{fmt.format(s['ci95'][1])}, MAD {s['rel_mad']:.1%})"
         numbers.append(text)
     if pick["validated"]:
-        lines.append(f"validated {pick.get('written')}: median of {load.get('repeats')} benchmarks on a fresh server:")
+        lines.append(f"validated {pick.get('written')}: median of {pick.get('repeats') or load.get('repeats')} benchmarks "
+                     "on fresh servers:")
     else:
         lines.append(f"NOT VALIDATED: measured once during the study (run `autotune validate {ctx.name}`):")
     lines += [f"  {n}" for n in numbers]
@@ -90,6 +91,8 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
         lines.append(f"  gain over the engine defaults: {pick['gain']:.2f}x")
     if pick.get("warning"):
         lines.append(f"WARNING: {pick['warning']}")
+    if pick.get("tie"):
+        lines.append(f"TIE: {pick['tie']['why']}")
     lines.append(f"hardware: {hardware_line(prov)}")
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions(prov).items() if v))
     if prov.get("model"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import itertools
 import json
+import math
 import shlex
 import warnings
 from pathlib import Path
@@ -284,7 +285,7 @@ def _config_short(config: dict) -> str:
 # -- the HTML --------------------------------------------------------------------------------------
 def _table(headers: list[str], rows: list[list], raw_columns: tuple[int, ...] = ()) -> str:
     def cell(i, v):
-        blank = v is None or (isinstance(v, float) and v != v)  # None, or NaN where a frame column had none
+        blank = v is None or (isinstance(v, float) and math.isnan(v))  # NaN: a frame column's missing value
         return v if i in raw_columns else html.escape("" if blank else f"{v:.4g}" if isinstance(v, float) else str(v))
     body = "".join("<tr>" + "".join(f"<td>{cell(i, v)}</td>" for i, v in enumerate(r)) + "</tr>" for r in rows)
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" + body + "</table>"
@@ -301,7 +302,8 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
         w = validation["winner"]
         s = w["stats"][metric]
         gain = f", {w['gain_over_baseline']:.2f}x the baseline" if w.get("gain_over_baseline") else ""
-        lines.append(f"validated winner: {w.get('label') or 'trial ' + str(w['trial'])}, {metric} median {s['median']:.4g} "
+        who = f"trial {w['trial']}" if w.get("trial") is not None else w.get("label", "the baseline")
+        lines.append(f"validated winner: {who}, {metric} median {s['median']:.4g} "
                      f"(95% CI {s['ci95'][0]:.4g}..{s['ci95'][1]:.4g}) over {len(s['values'])} repeats{gain}")
         if w.get("warning"):
             lines.append(f"warning: {w['warning']}")

@@ -4,13 +4,21 @@ the winner that is fast, steady, within every SLO and faithful to the baseline's
 A study measures each configuration once, on a server that may have been reused; the best of many
 noisy measurements is biased upwards (the winner's curse). So the top K distinct configurations
 (and the baseline: the study's engine-defaults trial, else the engine's own defaults) each get a
-fresh launch and N benchmarks of the study's load. Per metric: median, MAD and a bootstrap 95%
-interval of the median. A configuration is demoted, with the reason written down, when it fails to
-launch, has errors, misses an SLO in any repeat, is noisy (MAD above `max_noise` of the median), or
-changes the greedy output of the baseline where its numerics (dtype, quantization, ...) are the
-baseline's: speculative decoding with greedy verification must reproduce plain greedy decoding.
+fresh launch, a warm-up (compiling and graph capture are launch cost) and N benchmarks of the study's
+load. Per metric: median, MAD and a bootstrap 95% interval of the median. A configuration is demoted, with the reason written down, when it fails to
+launch, has errors, misses an SLO in any repeat, or is noisy (MAD above `max_noise` of the median).
+Its greedy outputs are compared with the baseline's token by token (identical prompts, identical-token
+share, first divergence per prompt) and reported, not judged: with the baseline's numerics, greedy
+verification reproduces plain decoding exactly in float32 on a CPU, while on a GPU a wider verify
+batch runs other kernels, whose rounding can change a near-tie (bf16 most of all).
 The winner is the best configuration that passes everything; noise alone only ranks a configuration
 below the steady ones (if all are noisy, the best still wins, with the warning written down).
+
+Speculation makes runs vary, so the number of repeats follows the measured spread: while the winner
+does not beat the runner-up and the baseline beyond the noise (the 90% interval of its gain, Welch t
+on log values, excludes 1.0), each of them gets one more repeat on one more fresh launch, up to a
+cap. A race still open at the cap is a tie: both are in validation.json and the one with fewer
+settings changed from the engine defaults is exported.
 
 `validate(study)` writes studies/<name>/best/validation.json and the per-request tables of every
 repeat to studies/<name>/validation/<label>-repeat-<r>.parquet.
@@ -25,16 +33,19 @@ import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from scipy import stats
 
 from autotune.bench import load_workload, parse_slo
 from autotune.bench.client import ENDPOINTS
-from autotune.bench.runner import measure_server, served_model
+from autotune.bench.runner import measure_server, served_model, warm_up
 from autotune.engines.launcher import LaunchError, launch
 from autotune.study.record import effective_key
 from autotune.study.storage import StudyContext, load_study
 
 DEFAULT_TOP = 3
 DEFAULT_REPEATS = 3
+MAX_REPEATS = 6  # per configuration: where adding repeats to a close race stops
+CONFIDENCE = 0.90  # a winner's gain over a rival must clear 1.0 at this confidence, else they tie
 MAX_NOISE = 0.10  # relative MAD of the objective above which a configuration is "noisy"
 TRACKED = ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95", "tpot_ms_p50", "decode_tok_s_p50",
            "accept_length", "error_rate")
@@ -101,14 +112,38 @@ def first_divergence(baseline: str, candidate: str, context: int = 40) -> dict |
             "baseline": baseline[max(0, i - context):i + context], "candidate": candidate[max(0, i - context):i + context]}
 
 
-def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], reference: list[dict] | None) -> dict:
+def agreement(reference: list[dict], outputs: list[dict], encode=None) -> dict:
+    """How far each greedy output agrees with the baseline's, token by token: per prompt whether it is
+    identical, the first position where they part (None: identical) and how many of the baseline's tokens
+    came before it; the identical-token share is those over all the baseline's tokens. Tokens are the texts
+    re-encoded with the model's tokenizer (`encode`), else characters."""
+    split = encode or list
+    per_prompt = []
+    for i, (a, b) in enumerate(zip(reference, outputs)):
+        ta, tb = split(a["text"]), split(b["text"])
+        part = next((n for n, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        identical = output_divergence(a, b) is None
+        per_prompt.append({"prompt": i, "identical": identical, "first_divergence": None if identical else part,
+                           "baseline_tokens": len(ta), "agreeing_tokens": len(ta) if identical else min(part, len(ta))})
+    total = sum(p["baseline_tokens"] for p in per_prompt)
+    return {"unit": "token" if encode else "character",
+            "identical_share": sum(p["agreeing_tokens"] for p in per_prompt) / total if total else 1.0,
+            "per_prompt": per_prompt}
+
+
+def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], reference: list[dict] | None,
+            encode=None) -> dict:
+    """The candidate's greedy outputs against the baseline's: identical prompts, token agreement, the first
+    divergence. `mode` exact: its numerics (dtype, quantization, ...) are the baseline's, so only speculation
+    differs; lossy: they differ, and so may the outputs."""
     knobs = ctx.adapter.numerics
     changed = {k: config.get(k) for k in knobs if config.get(k) != base.get(k)}
     mode = "lossy" if changed else "exact"
     if reference is None:
         return {"mode": mode, "checked": False, "note": "baseline outputs unavailable"}
     diverged = [(i, d) for i, (a, b) in enumerate(zip(reference, outputs)) if (d := output_divergence(a, b))]
-    out = {"mode": mode, "checked": True, "prompts": len(reference), "identical": len(reference) - len(diverged)}
+    out = {"mode": mode, "checked": True, "prompts": len(reference), "identical": len(reference) - len(diverged),
+           **agreement(reference, outputs, encode)}
     if changed:
         out["note"] = f"numerics differ from the baseline ({', '.join(f'{k}={v}' for k, v in changed.items())}): " \
                       "outputs are compared but need not be identical"
@@ -117,26 +152,38 @@ def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], re
     return out
 
 
-# -- one configuration: fresh launch, greedy outputs, N benchmarks ---------------------------------
+# -- one configuration: fresh launch, warm-up, greedy outputs, N benchmarks -------------------------
 def measure(ctx: StudyContext, label: str, config: dict, *, repeats: int, prompts: list[dict], quality_tokens: int,
-            workload, launch_timeout_s: float, tick=lambda: None) -> dict:
-    log = ctx.directory / "validation" / "logs" / f"{label}.log"
-    rec = {"label": label, "config": config, "log": str(log), "runs": [], "request_files": []}
+            workload, launch_timeout_s: float, tick=lambda: None, rec: dict | None = None) -> dict:
+    """A fresh launch of `config`, its warm-up, the greedy outputs (first launch only) and `repeats`
+    benchmarks, added to `rec` (a new record when None): a later call is one more launch of it."""
+    first = rec is None
+    rec = rec if rec is not None else {"label": label, "config": config, "runs": [], "request_files": [], "launches": []}
+    n = len(rec["launches"])
+    log = ctx.directory / "validation" / "logs" / (f"{label}.log" if first else f"{label}-launch-{n}.log")
     t0 = time.monotonic()
     try:
         server = launch(ctx.adapter, config, model=ctx.model, draft_model=ctx.draft_model, log_path=log,
                         timeout_s=launch_timeout_s)
     except LaunchError as e:
-        rec.update(argv=e.argv, env={}, failure=f"launch {e.kind}: {e.message}")
+        rec.update(failure=f"launch {e.kind}: {e.message}", **({"argv": e.argv, "env": {}, "log": str(log)} if first else {}))
         return rec
-    rec.update(argv=server.argv, env=server.env, launch_s=round(time.monotonic() - t0, 3))
-    base = server.base_url
+    launched = {"log": str(log), "launch_s": round(time.monotonic() - t0, 3)}
+    if first:
+        rec.update(argv=server.argv, env=server.env, log=str(log), launch_s=launched["launch_s"])
     try:
-        try:
-            rec["greedy"] = greedy_outputs(base, prompts, quality_tokens) if prompts else []
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for r in range(repeats):
+        # compiling and graph capture at the first requests are launch cost, not the first repeat's speed
+        warm = warm_up(server, workload, concurrency=ctx.load["concurrency"], max_tokens=ctx.load["max_tokens"],
+                       seed=ctx.load["seed"], request_timeout=launch_timeout_s)
+        launched["warmup_s"] = warm["warmup_s"]
+        if first:
+            rec["warmup_s"] = warm["warmup_s"]
+            try:
+                rec["greedy"] = greedy_outputs(server.base_url, prompts, quality_tokens) if prompts else []
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for _ in range(repeats):
+            r = len(rec["runs"])
             summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
                                                num_requests=ctx.load["num_requests"], max_tokens=ctx.load["max_tokens"],
                                                seed=ctx.load["seed"])
@@ -150,6 +197,7 @@ def measure(ctx: StudyContext, label: str, config: dict, *, repeats: int, prompt
                 break
     finally:
         server.stop()
+    rec["launches"].append(launched)
     rec["stats"] = {m: spread([run.get(m) for run in rec["runs"]]) for m in TRACKED}
     return rec
 
@@ -168,14 +216,8 @@ def judge(ctx: StudyContext, rec: dict, slo, max_noise: float) -> list[str]:
     noise = rec["stats"][metric]["rel_mad"]
     if noise is not None and noise > max_noise:
         reasons.append(f"noisy: {metric} MAD {noise:.0%} of the median > {max_noise:.0%}")
-    q = rec.get("quality", {})
     if rec.get("greedy_error"):
         reasons.append(f"quality: greedy requests failed ({rec['greedy_error']})")
-    elif q.get("mode") == "exact" and q.get("checked") and q["identical"] < q["prompts"]:
-        d = q["first_divergence"]
-        reasons.append(f"quality: greedy output differs from the baseline on {q['prompts'] - q['identical']} of "
-                       f"{q['prompts']} prompts; first at prompt {d['prompt']} char {d['char']}: "
-                       f"baseline {d['baseline']!r} vs {d['candidate']!r}")
     return reasons
 
 
@@ -183,10 +225,16 @@ def judge(ctx: StudyContext, rec: dict, slo, max_noise: float) -> list[str]:
 def validate(study: str | Path | StudyContext, *, storage: str | None = None, top: int = DEFAULT_TOP,
              repeats: int = DEFAULT_REPEATS, slo: str | None = None, max_noise: float = MAX_NOISE,
              quality_prompts: int = 4, quality_tokens: int = 32, load: dict | None = None,
-             launch_timeout_s: float = 300.0, console=None, progress: bool = True) -> dict:
-    """Validate the top configurations of a study; writes best/validation.json and returns its content."""
+             launch_timeout_s: float = 300.0, max_repeats: int | None = None, confidence: float = CONFIDENCE,
+             console=None, progress: bool = True) -> dict:
+    """Validate the top configurations of a study; writes best/validation.json and returns its content.
+    Repeats are added (one more launch each) to the winner and every rival it does not yet beat beyond the
+    noise, up to `max_repeats` each (default: MAX_REPEATS, at least `repeats`)."""
+    max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     if top < 1 or repeats < 1:
         raise ValueError("--top and --repeats must be at least 1")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
     ctx = study if isinstance(study, StudyContext) else load_study(study, storage)
     ctx.load.update({k: v for k, v in (load or {}).items() if v is not None})
     slo_text = slo or ctx.slo
@@ -202,71 +250,179 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     metric, direction = ctx.primary()
     base_key = effective_key(ctx.adapter, base_config)
     steps = repeats * (len(candidates) + 1)
+    looks = max_repeats - repeats + 1  # times the intervals are looked at: once per added repeat, and first
     with Progress(TextColumn("[bold]validate[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
         task = bar.add_task("", total=steps)
 
-        def run(label, config):
+        def run(label, config, n=repeats, rec=None):
             bar.update(task, description=label)
-            return measure(ctx, label, config, repeats=repeats, prompts=prompts, quality_tokens=quality_tokens,
-                           workload=workload, launch_timeout_s=launch_timeout_s, tick=lambda: bar.advance(task))
+            return measure(ctx, label, config, repeats=n, prompts=prompts, quality_tokens=quality_tokens,
+                           workload=workload, launch_timeout_s=launch_timeout_s, tick=lambda: bar.advance(task), rec=rec)
+
+        def judged(rec):
+            rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
+            rec["status"] = "demoted" if rec["reasons"] else "passed"
+            return rec
 
         baseline = run("baseline", base_config)
+        tokenizer = ctx.adapter.tokenizer(ctx.model)
+        encode = tokenizer.encode if tokenizer is not None else None
+        baseline.update(trial=base_trial, quality=quality(ctx, base_config, base_config, baseline.get("greedy") or [],
+                                                          baseline.get("greedy"), encode))
         reference = baseline.get("greedy")
         results = []
         for t in candidates:
             config = t.user_attrs.get("config") or {}
             same = effective_key(ctx.adapter, config) == base_key
-            rec = dict(baseline, label=f"trial-{t.number}") if same else run(f"trial-{t.number}", config)
-            if same:
+            if same:  # the baseline's measurements, as a record of its own (more repeats go to one of them)
+                rec = {**baseline, "label": f"trial-{t.number}", "runs": list(baseline.get("runs", [])),
+                       "request_files": list(baseline.get("request_files", [])),
+                       "launches": list(baseline.get("launches", []))}
                 bar.advance(task, repeats)
+            else:
+                rec = run(f"trial-{t.number}", config)
             rec.update(trial=t.number, config=config, study_value=t.values[0],
-                       quality=quality(ctx, config, base_config, rec.get("greedy") or [], reference))
-            rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
-            rec["status"] = "demoted" if rec["reasons"] else "passed"
-            results.append(rec)
+                       quality=quality(ctx, config, base_config, rec.get("greedy") or [], reference, encode))
+            results.append(judged(rec))
+        judged(baseline)
+
+        # Close races get more repeats: the winner and each rival it does not beat beyond the noise.
+        while True:
+            winner, _ = pick_winner(results, metric, direction)
+            if winner is None:
+                break
+            close = [r for r in rivals(ctx, winner, results, baseline, metric, direction)
+                     if not beats(winner, r, metric, direction, confidence, looks)]
+            more = [r for r in (winner, *close) if len(r["runs"]) < max_repeats and not r.get("failure")]
+            if not close or not more:
+                break
+            bar.update(task, total=bar.tasks[0].total + len(more))
+            for rec in more:
+                run(rec["label"], rec["config"], 1, rec)
+                judged(rec)
     winner, warning = pick_winner(results, metric, direction)
+    comparisons = [compare(winner, r, metric, direction, confidence, looks)
+                   for r in rivals(ctx, winner, results, baseline, metric, direction)] if winner else []
+    chosen, tie = settle(ctx, winner, comparisons, results, baseline)
     doc = {"study": ctx.name, "storage": ctx.storage, "engine": ctx.engine, "objective": ctx.objective,
            "metric": metric, "direction": direction, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "settings": {"top": top, "repeats": repeats, "slo": slo_text, "max_noise": max_noise,
-                        "workload": ctx.workload, "quality_prompts": len(prompts), "quality_tokens": quality_tokens,
+           "settings": {"top": top, "repeats": repeats, "max_repeats": max_repeats, "confidence": confidence,
+                        "slo": slo_text, "max_noise": max_noise, "workload": ctx.workload,
+                        "quality_prompts": len(prompts), "quality_tokens": quality_tokens,
                         "model": ctx.model, "draft_model": ctx.draft_model, **ctx.load},
-           "baseline": {**_public(baseline), "trial": base_trial},
+           "baseline": _public(baseline),
            "candidates": [_public(r) for r in results],
            "demoted": [{"trial": r["trial"], "reasons": r["reasons"]} for r in results if r["reasons"]],
-           "winner": None}
-    if winner is not None:
+           "comparisons": [{k: v for k, v in c.items() if k not in ("a", "b")} for c in comparisons],
+           "tie": tie, "winner": None}
+    if chosen is not None:
         base_median = (baseline.get("stats") or {}).get(metric, {}).get("median")
-        win_median = winner["stats"][metric]["median"]
+        win_median = chosen["stats"][metric]["median"]
         gain = None
         if base_median and win_median:
             gain = win_median / base_median if direction == "maximize" else base_median / win_median
-        doc["winner"] = {"trial": winner["trial"], "config": winner["config"], "argv": winner["argv"],
-                         "env": winner["env"], "median": win_median, "gain_over_baseline": gain,
-                         "stats": winner["stats"], "warning": warning}
-    ctx.study.set_user_attr("validated_best_trial", winner["trial"] if winner else None)
+        doc["winner"] = {"trial": chosen["trial"], "label": chosen["label"], "config": chosen["config"],
+                         "argv": chosen["argv"], "env": chosen["env"], "median": win_median,
+                         "gain_over_baseline": gain, "repeats": len(chosen["runs"]), "stats": chosen["stats"],
+                         "tie": tie is not None, "warning": warning}
+    ctx.study.set_user_attr("validated_best_trial", chosen["trial"] if chosen else None)
     ctx.best_dir.mkdir(parents=True, exist_ok=True)
     (ctx.best_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc
 
 
+# -- beyond the noise --------------------------------------------------------------------------------
+def gain_interval(a: list[float], b: list[float], direction: str, confidence: float, looks: int = 1) -> dict | None:
+    """How much better the runs `a` are than `b` (> 1: better): the ratio of their geometric means, with a
+    Welch t interval of the difference of mean logs at `confidence`, Bonferroni-split over `looks` (each
+    time repeats are added and the interval is read again is one more chance of a false win). None while
+    either side has fewer than 2 values."""
+    la = np.log([v for v in a if v is not None and v > 0])
+    lb = np.log([v for v in b if v is not None and v > 0])
+    if la.size < 2 or lb.size < 2:
+        return None
+    sign = 1.0 if direction == "maximize" else -1.0
+    diff = sign * float(la.mean() - lb.mean())
+    va, vb = la.var(ddof=1) / la.size, lb.var(ddof=1) / lb.size
+    half = 0.0
+    if va + vb > 0:
+        df = (va + vb) ** 2 / (va ** 2 / (la.size - 1) + vb ** 2 / (lb.size - 1))
+        half = float(stats.t.ppf(1 - (1 - confidence) / looks / 2, df) * np.sqrt(va + vb))
+    return {"gain": float(np.exp(diff)), "interval": [float(np.exp(diff - half)), float(np.exp(diff + half))],
+            "confidence": confidence, "looks": looks, "repeats": [int(la.size), int(lb.size)]}
+
+
+def compare(a: dict, b: dict, metric: str, direction: str, confidence: float, looks: int) -> dict:
+    """Record `a` against record `b`: gain interval and whether it clears 1.0."""
+    g = gain_interval([r.get(metric) for r in a["runs"]], [r.get(metric) for r in b["runs"]], direction, confidence, looks)
+    return {"a": a, "b": b, "winner": a["label"], "rival": b["label"], "rival_trial": b.get("trial"),
+            **(g or {"gain": None, "interval": None, "repeats": [len(a["runs"]), len(b["runs"])]}),
+            "beyond_noise": bool(g) and g["interval"][0] > 1.0}
+
+
+def beats(a: dict, b: dict, metric: str, direction: str, confidence: float, looks: int) -> bool:
+    return compare(a, b, metric, direction, confidence, looks)["beyond_noise"]
+
+
+def rivals(ctx: StudyContext, winner: dict, results: list[dict], baseline: dict, metric: str, direction: str) -> list[dict]:
+    """What the winner must beat beyond the noise: the runner-up (noisy ones included: the interval weighs
+    their noise), and the baseline (the engine defaults)."""
+    pool = [r for r in contenders(results, metric, noisy=True) if r is not winner]
+    pick = max if direction == "maximize" else min
+    out = [pick(pool, key=lambda r: r["stats"][metric]["median"])] if pool else []
+    base_key = effective_key(ctx.adapter, baseline["config"])
+    measured = (baseline.get("stats") or {}).get(metric, {}).get("median") is not None
+    if measured and all(effective_key(ctx.adapter, r["config"]) != base_key for r in (winner, *out)):
+        out.append(baseline)  # unless the winner or the runner-up is the baseline's configuration
+    return out
+
+
+def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], results: list[dict], baseline: dict):
+    """(the configuration to export, the tie or None). A winner that does not beat a rival beyond the noise
+    ties with it; of the tied ones, the one closest to the engine defaults (fewest settings changed: the
+    simpler launch) is exported, the faster one on equal counts."""
+    if winner is None:
+        return None, None
+    exportable = all(x.startswith("noisy:") for x in baseline.get("reasons", []))  # not flaky, SLOs met
+    tied = [c["b"] for c in comparisons if not c["beyond_noise"] and (c["b"] is not baseline or exportable)]
+    if not tied:
+        return winner, None
+    group = [winner, *tied]
+    metric, direction = ctx.primary()
+    sign = -1 if direction == "maximize" else 1
+    chosen = min(group, key=lambda r: (len(ctx.adapter.effective(r["config"])), sign * r["stats"][metric]["median"]))
+    changed = {r["label"]: sorted(ctx.adapter.effective(r["config"])) for r in group}
+    why = (f"{winner['label']} is fastest by median but does not beat {', '.join(r['label'] for r in tied)} beyond the "
+           f"noise; exported {chosen['label']}, the one with fewest settings changed from the engine defaults")
+    return chosen, {"between": [r["label"] for r in group], "trials": [r.get("trial") for r in group],
+                    "fastest": winner["label"], "exported": chosen["label"], "changed": changed, "why": why}
+
+
+def contenders(results: list[dict], metric: str, noisy: bool = False) -> list[dict]:
+    """Measured configurations that may win: those that passed, else (all noisy) the noisy ones; with
+    `noisy`, both."""
+    measured = [r for r in results if r.get("stats") and r["stats"][metric]["median"] is not None]
+    passed = [r for r in measured if not r["reasons"]]
+    steady_or_noisy = [r for r in measured if all(x.startswith("noisy:") for x in r["reasons"])]
+    return steady_or_noisy if noisy else passed or steady_or_noisy
+
+
 def pick_winner(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
     """The best configuration that passed everything. Noise only demotes: when every survivor is
     noisy, the best of them still wins, with a warning (a launch.sh beats none; the spread is written)."""
-    measured = [r for r in results if r.get("stats") and r["stats"][metric]["median"] is not None]
-    passed = [r for r in measured if not r["reasons"]]
-    noisy = [r for r in measured if r["reasons"] and all(x.startswith("noisy:") for x in r["reasons"])]
-    pool = passed or noisy
+    pool = contenders(results, metric)
     if not pool:
         return None, None
     pick = max if direction == "maximize" else min
     best = pick(pool, key=lambda r: r["stats"][metric]["median"])
-    return best, None if passed else f"no configuration was steady: trial {best['trial']} wins with {best['reasons'][0]}"
+    steady = not best["reasons"]
+    return best, None if steady else f"no configuration was steady: trial {best['trial']} wins with {best['reasons'][0]}"
 
 
 def _public(rec: dict) -> dict:
     """The record as written to validation.json (the greedy texts are long: only the quality verdict stays)."""
-    keep = ("label", "trial", "config", "argv", "env", "log", "launch_s", "failure", "greedy_error", "study_value",
+    keep = ("label", "trial", "config", "argv", "env", "log", "launch_s", "warmup_s", "failure", "greedy_error", "study_value",
             "stats", "quality", "status", "reasons", "request_files")
     out = {k: rec[k] for k in keep if k in rec}
     out["runs"] = [{k: run.get(k) for k in (*TRACKED, "completed", "failed", "duration_s", "errors_by_kind")}

@@ -247,6 +247,11 @@ class EngineAdapter:
         """The model argument an exported script should carry (the embedded engine's bundled model: none)."""
         return model
 
+    def tokenizer(self, model: str | None):
+        """The served model's tokenizer (an object with .encode(text) -> ids), for comparing outputs token by
+        token; None where the adapter cannot read it (outputs are then compared character by character)."""
+        return None
+
     def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str, port: int,
                 extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
         raise NotImplementedError

@@ -5,6 +5,7 @@ Config keys are EngineConfig fields (autotune/embedded/config.py); its flags are
 kebab-case. Metrics are `autotune_*` on /metrics (autotune/embedded/metrics.py).
 """
 import dataclasses
+import json
 import sys
 import types
 from pathlib import Path
@@ -87,6 +88,18 @@ class EmbeddedAdapter(EngineAdapter):
             return None if model and Path(model).resolve() == bundled_gguf_path().resolve() else model
         except Exception:  # noqa: BLE001 - no bundled model installed: keep the path as given
             return model
+
+    def tokenizer(self, model):
+        """The checkpoint's own tokenizer: the GGUF's vocabulary (the bundled one when none is given) or a
+        safetensors directory's tokenizer.json; the weights are not read."""
+        from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+
+        path = Path(model) if model else bundled_gguf_path()
+        if path.is_dir():
+            return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
+        import gguf
+
+        return tokenizer_from_gguf({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         unknown = set(config) - set(DEFAULTS)
