@@ -503,7 +503,7 @@ def main():
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer (a)")
     parser.add_argument("--compile", default="none", help="none | inductor | aot_eager (the engine side)")
     parser.add_argument("--quantization", default="none",
-                        help="none | int8 | gguf (the engine side; gguf runs the checkpoint's own Q4_1/Q8_0 blocks)")
+                        help="none | int8 | gguf (the engine side; gguf runs the checkpoint's own blocks)")
     parser.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--pairs", type=int, default=5, help="--peer llamacpp: confirmation prompts per workload")
     parser.add_argument("--select-prompts", type=int, default=2, help="--peer llamacpp: selection prompts per workload")

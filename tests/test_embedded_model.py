@@ -3,7 +3,8 @@
 Our loader, tokenizer and chat template on the bundled SmolLM2 GGUF must give HF's token ids,
 logits and greedy output; tiny random llama and qwen2 checkpoints written by transformers must load
 through our safetensors path with HF's logits; int8 quantization must keep greedy choices; the
-GGUF's own blocks run natively must give HF's greedy output too.
+GGUF's own blocks run natively swap every layer (their numerics: tests/test_kquants.py), and the fused CPU
+attention equals the model's.
 """
 import json
 
