@@ -170,3 +170,17 @@ def test_machine_and_load_keys_are_checked():
             ({"parameters": {"k": {"type": "int", "low": 1, "high": 4}}, "seeds": [{"device": "gpu"}]}, "device")):
         with pytest.raises(SpaceError, match=message):
             parse_space(data)
+
+
+def test_the_measured_h200_fits_like_its_profile():
+    """The real H200's probe output (tests/fixtures/hardware, the same files as the H200 runs) plans the
+    same space as `--gpu h200-sxm`: the facts come from the machine, not from the name."""
+    from pathlib import Path
+
+    from autotune.hardware import classify_from_fixture
+
+    measured = classify_from_fixture(Path(__file__).parent / "fixtures" / "hardware" / "h200-sxm-1gpu")
+    assert measured.profile.name == "h200-sxm"
+    fitted = [fit_space(load_space("embedded"), hw, 4) for hw in (measured, planned(get_profile("h200-sxm")))]
+    assert fitted[0].params == fitted[1].params and fitted[0].seed_configs() == fitted[1].seed_configs()
+    assert fitted[0].params["cuda_graph_batch_sizes"].choices == [[], [1, 2, 4]]
