@@ -45,8 +45,8 @@ def code_prompt_tokens() -> int:
     import gguf
 
     from autotune.bench import load_workload
-    from autotune.embedded.tokenizer import tokenizer_from_gguf
     from autotune.embedded.bundled import bundled_gguf_path
+    from autotune.embedded.tokenizer import tokenizer_from_gguf
 
     reader = gguf.GGUFReader(bundled_gguf_path())
     tokenizer = tokenizer_from_gguf({k: f.contents() for k, f in reader.fields.items()})

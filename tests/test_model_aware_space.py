@@ -87,6 +87,9 @@ def test_drafters_offered_per_checkpoint(tmp_path):
     qwen35 = ModelShape.of(load_model("qwen3.5-27b"))
     assert "mtp" in restrict_space(load_space("vllm"), h100, qwen35, None, adapter=VLLM).params["speculative_method"].choices
     assert "NEXTN" in restrict_space(load_space("sglang"), h100, qwen35, None, adapter=SGLANG).params["speculative_algorithm"].choices
+    # SGLang's draft worker loads the MTP layers from --speculative-draft-model-path: the target itself
+    argv, _ = SGLANG.command({"speculative_algorithm": "NEXTN"}, model="/m/qwen", draft_model=None, host="127.0.0.1", port=1)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == "/m/qwen"
     # a pinned mismatch is not dropped from the space: the trial is refused with its reason
     assert any("needs an eagle draft checkpoint; --draft-model is eagle3" in v for v in hardware_violations(
         {"speculative_method": "eagle", "num_speculative_tokens": 3}, h100, llama, adapter=VLLM))
@@ -108,6 +111,12 @@ def test_four_bit_weights_follow_the_checkpoint(tmp_path):
     linear = 8_030_261_248 - 2 * 128256 * 4096
     m = predict_memory(awq, {"tensor_parallel_size": 1}, H100, 1, engine=VLLM)  # unset: read as the checkpoint's AWQ
     assert m.weights_gb * 1e9 == pytest.approx(linear * (0.5 + 2.5 / 128) + 2 * 128256 * 4096 * 2, rel=1e-6)
+    # both engines pick Marlin for an AWQ/GPTQ checkpoint themselves (and refuse an explicit awq_marlin
+    # where Marlin does not run): the launch leaves the flag to the checkpoint's quantization_config
+    for engine in (SGLANG, VLLM):
+        argv, _ = engine.command({engine.tp_key: 1, "quantization": "awq_marlin"}, model=str(tmp_path / "awq"),
+                                 draft_model=None, host="127.0.0.1", port=1)
+        assert "--quantization" not in argv
 
 
 def test_27b_fits_one_24gb_card_in_4_bit():
