@@ -15,6 +15,7 @@ never the best of the sweep.
 
     python3 benchmarks/bench_embedded.py --peer llamacpp [--threads 1] [--tokens 128] [--pairs 5]
         [--select-prompts 2] [--ks 1,...,8] [--llama-ngram 2:4,2:8,4:16,12:48] [--out benchmarks/results/DIR]
+        [--model FILE.gguf]
 
 With --device cuda (a CUDA build of llama-server on PATH or in the cache): the embedded engine in bf16 with
 inductor and a CUDA graph at batch 1 (EMBEDDED_CUDA) against llama-server with every layer offloaded, 256
@@ -215,8 +216,8 @@ class Side:
 class HFStatic:
     """transformers `generate` with cache_implementation="static" in this process, timed like a Side's request."""
 
-    def __init__(self, device: str, tokenizer):
-        self.model = hf_model(weights.bundled_gguf_path(), torch.bfloat16, device)
+    def __init__(self, path: Path, device: str, tokenizer):
+        self.model = hf_model(path, torch.bfloat16, device)
         self.device, self.tokenizer = device, tokenizer
 
     def request(self, prompt_ids: list[int], tokens: int) -> dict:
@@ -296,7 +297,9 @@ def peer_llamacpp(args) -> None:
     out = Path(args.out or f"benchmarks/results/llamacpp-{time.strftime('%Y-%m-%d')}")
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=150)  # logs too: rows unwrapped
-    path = weights.bundled_gguf_path()
+    path = Path(args.model) if args.model else weights.bundled_gguf_path()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise SystemExit(f"--model {path}: not a .gguf file")
     reader = gguf.GGUFReader(path)
     tokenizer = tokenizer_from_gguf({k: f.contents() for k, f in reader.fields.items()})
     info = machine_info(threads, binary)
@@ -322,7 +325,7 @@ def peer_llamacpp(args) -> None:
     def start(key, engine, config, extra=None):
         t0 = time.monotonic()
         log = out / "logs" / (key.replace(" ", "-").replace("=", "") + ".log")
-        server = launch(get_adapter(engine), config, log_path=log, timeout_s=600)
+        server = launch(get_adapter(engine), config, model=str(path), log_path=log, timeout_s=600)
         sides[key] = Side(key, engine, server, extra)
         launched[key] = {"engine": engine, "config": config, "argv": server.argv}
         console.print(f"  up in {time.monotonic() - t0:.1f} s: {key} {config}")
@@ -336,7 +339,7 @@ def peer_llamacpp(args) -> None:
             n, m = (int(v.split("=")[1]) for v in k.split(","))
             start(f"llama ngram {k}", "llamacpp", {**llama_base, "spec_type": "ngram-simple",
                                                   "spec_ngram_simple_size_n": n, "spec_ngram_simple_size_m": m})
-        hf_static = HFStatic(args.device, tokenizer) if cuda else None  # CUDA only: the issue's "2x HF static"
+        hf_static = HFStatic(path, args.device, tokenizer) if cuda else None  # CUDA only: the issue's "2x HF static"
         warm = prompts[names[0]]["select"][0]
         for side in sides.values():
             side.request(warm, 16)  # allocator, kernel build, first-touch pages
@@ -513,6 +516,7 @@ def main():
     parser.add_argument("--workloads", default="code,chat", help="--peer llamacpp: shipped workloads")
     parser.add_argument("--seed", type=int, default=0, help="--peer llamacpp: workload shuffle and bootstrap seed")
     parser.add_argument("--out", help="--peer llamacpp: folder for the JSON, the markdown table and server logs")
+    parser.add_argument("--model", help="--peer llamacpp: the GGUF both servers run (default: the bundled one)")
     args = parser.parse_args()
     if args.peer == "llamacpp":
         return peer_llamacpp(args)
