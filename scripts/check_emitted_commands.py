@@ -32,16 +32,17 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidd
          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
          "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128009}
-# A hybrid target with one MTP layer (Qwen3-Next's layout, small), for the MTP / NEXTN configurations.
-MTP_TARGET = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
-              "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-              "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-              "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True,
-              "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
-              "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_num_key_heads": 16,
-              "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-              "linear_conv_kernel_dim": 4, "num_nextn_predict_layers": 1, "mtp_num_hidden_layers": 1,
-              "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False}
+# A target with one MTP layer for the MTP / NEXTN configurations: DeepSeek-V3's layout, small (a hybrid
+# Qwen3-Next target is refused by SGLang's validation on a CPU: "extra_buffer requires platform support for
+# Mamba cache state snapshots").
+MTP_TARGET = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 4,
+              "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 2816,
+              "moe_intermediate_size": 256, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+              "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+              "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+              "kv_lora_rank": 128, "q_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+              "vocab_size": 129280, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False, "num_nextn_predict_layers": 1}
 # What a 4-bit checkpoint's config.json says (AutoAWQ's and GPTQModel's quantization_config).
 FORMATS = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
            "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}
