@@ -200,8 +200,10 @@ def summarize(args):
         if str(c) in confirmed:
             row["confirm"] = confirmed[str(c)]
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    summary = {"commit": commit or os.environ.get("AUTOTUNE_COMMIT"), **doc["settings"], "rows": rows}
+    # AUTOTUNE_COMMIT: the commit a device run's `git archive` came from (the archive has no .git)
+    commit = os.environ.get("AUTOTUNE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    summary = {"commit": commit, **doc["settings"], "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(yaml.safe_dump(summary, sort_keys=False))
 
