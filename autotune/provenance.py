@@ -33,9 +33,8 @@ def fast_dtypes(hardware) -> list[str]:
         major, minor = torch.cuda.get_device_capability(0)
         return [d for d, ok in (("bfloat16", torch.cuda.is_bf16_supported()), ("float16", True),
                                 ("float8", (major, minor) >= (8, 9))) if ok]
-    flags = set((hardware.cpu.isa_flags if hardware.cpu else []) or [])
-    return [d for d, isa in (("bfloat16", {"avx512_bf16", "amx_bf16"}), ("float16", {"avx512_fp16", "amx_fp16"}))
-            if flags & isa]
+    units = hardware.cpu.native_units() if hardware.cpu else set()
+    return [d for d, unit in (("bfloat16", "bf16"), ("float16", "fp16")) if unit in units]
 
 
 def digest(path: str | None) -> str | None:

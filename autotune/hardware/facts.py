@@ -26,6 +26,13 @@ class GpuInfo:
     evidence: dict[str, str] = field(default_factory=dict)  # fact name → where it came from
 
 
+# CPU ISA flags (as /proc/cpuinfo names them) that execute a type natively: AVX512-BF16 / AMX-BF16 for
+# bfloat16, AVX512-FP16 / AMX-FP16 for float16 (Intel's ISA reference,
+# https://www.intel.com/content/www/us/en/developer/articles/technical/intel-sdm.html). Without them
+# torch converts to float32 around every op.
+CPU_NATIVE_UNITS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
+
+
 @dataclass
 class CpuInfo:
     model: str | None = None
@@ -37,6 +44,11 @@ class CpuInfo:
     ram_gb: float | None = None
     thp_mode: str | None = None  # always | madvise | never
     evidence: dict[str, str] = field(default_factory=dict)
+
+    def native_units(self) -> set[str]:
+        """The reduced-precision formats ("bf16", "fp16") this CPU computes in natively."""
+        flags = set(self.isa_flags or [])
+        return {unit for unit, isa in CPU_NATIVE_UNITS.items() if flags & isa}
 
 
 @dataclass

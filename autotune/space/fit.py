@@ -5,12 +5,6 @@ from __future__ import annotations
 
 from autotune.space.space import Space
 
-# CPU ISA flags (as /proc/cpuinfo names them) that execute a type natively: AVX512-BF16 / AMX-BF16 for
-# bfloat16, AVX512-FP16 / AMX-FP16 for float16 (Intel's ISA reference,
-# https://www.intel.com/content/www/us/en/developer/articles/technical/intel-sdm.html). Without them
-# torch converts to float32 around every op.
-CPU_UNITS = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
-
 
 def device(hw) -> str:
     """Where the engine runs: "cuda" on a machine with an NVIDIA GPU, else "cpu"."""
@@ -25,8 +19,8 @@ def native_units(hw) -> set[str] | None:
         if profile is None or not profile.peak_tflops:
             return None
         return {unit for unit, peak in profile.peak_tflops.items() if peak}  # the sheet lists a Tensor Core peak
-    flags = set(getattr(getattr(hw, "cpu", None), "isa_flags", None) or [])
-    return {unit for unit, isa in CPU_UNITS.items() if flags & isa}
+    cpu = getattr(hw, "cpu", None)
+    return cpu.native_units() if cpu is not None else set()
 
 
 def fit_space(space: Space, hw, concurrency: int | None) -> Space:
