@@ -145,6 +145,20 @@ def test_kernel_equals_gguf_dequantisation_on_both_sides(kernel_path, name, sour
         assert np.linalg.norm(y - float32) < 0.02 * np.linalg.norm(float32)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_row_gives_the_same_bits_in_any_batch(kernel_path, gated):
+    """Greedy speculative decoding is exact only if a verify step's rows equal what decode steps would compute:
+    each row through the 4-, 2- and 1-row loops must give the same bits."""
+    rng = np.random.default_rng(1)
+    for name in FORMATS:
+        layer = GGUFLinear([(TYPES[name], random_blocks(name, 48, 512, rng))], 512)
+        layer.gated = gated  # SwiGLU folded in: x holds gate then up
+        x = torch.randn(7, 512 * (2 if gated else 1))
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(7)])
+        for m in (2, 3, 5, 7):
+            assert torch.equal(layer(x[:m]), alone[:m]), (name, m)
+
+
 def test_fused_parts_in_different_formats_equal_separate_layers(kernel_path, real_weights):
     """A Q4_K_M file's q/k in Q4_K and v in Q6_K: one layer, one kernel call per run of one format."""
     q, v = encode(real_weights[:256, :512], "Q4_K"), encode(real_weights[256:320, :512], "Q6_K")

@@ -209,7 +209,10 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("quantization gguf compiles a small C kernel and no C compiler (cc, gcc) was found")
-    flags = ["-O3", "-march=native", *extra_flags, "-fopenmp", "-shared", "-fPIC"]
+    # -ffp-contract=off: a multiply-add is fused only where the source says so, never by the compiler's choice,
+    # which can differ between the 1-, 2- and 4-row loops: a row's bits must not depend on its batch (greedy
+    # speculative decoding is exact only if a verify step computes what a decode step would)
+    flags = ["-O3", "-march=native", *extra_flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
     sources = b"".join(path.read_bytes() for path in KERNEL_SOURCES)
     key = hashlib.sha256(sources + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autotune" / "kernels"
