@@ -258,8 +258,8 @@ def test_server_killed_mid_trial_is_a_failed_trial_and_the_study_goes_on(tmp_pat
     assert killed.get("pid"), "the benchmark of trial 0 never started"
     first, second = trials_of(outcome)
     assert first.user_attrs["status"] == record.FAILED and first.state == TrialState.PRUNED
-    assert first.user_attrs["failure_kind"] == "crash" and "server exited during the benchmark" in \
-        first.user_attrs["failure"]
+    # killed at its first request: the trial's warm-up wave, or the benchmark where the warm-up was short
+    assert first.user_attrs["failure_kind"] == "crash" and "server exited during the" in first.user_attrs["failure"]
     assert first.constraints["feasible"] > 0  # infeasible: the sampler moves away from it
     assert second.user_attrs["status"] == record.OK and second.user_attrs["launch"] == "launched"
     assert second.user_attrs["config"]["spec_type"] == "ngram-simple" and outcome.launches == 2

@@ -175,7 +175,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     if timed_out or not servers.alive():
         kind = "timeout" if servers.alive() else "crash"
         why = (f"{timed_out} of {warm['sent']} requests took over the launch timeout ({opts.launch_timeout_s:g} s)"
-               if kind == "timeout" else f"the server exited (see {log})")
+               if kind == "timeout" else f"server exited during the warm-up (see {log})")
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=kind,
                       failure=f"warm-up: {why}")
