@@ -28,6 +28,7 @@ repeat to studies/<name>/validation/<label>-repeat-<r>.parquet.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -35,7 +36,6 @@ import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from scipy import stats
 
 from autotune.bench import load_workload, parse_slo
 from autotune.bench.client import ENDPOINTS
@@ -350,9 +350,54 @@ def gain_interval(a: list[float], b: list[float], direction: str, confidence: fl
     half = 0.0
     if va + vb > 0:
         df = (va + vb) ** 2 / (va ** 2 / (la.size - 1) + vb ** 2 / (lb.size - 1))
-        half = float(stats.t.ppf(1 - (1 - confidence) / looks / 2, df) * np.sqrt(va + vb))
+        half = t_quantile(1 - (1 - confidence) / looks / 2, df) * float(np.sqrt(va + vb))
     return {"gain": float(np.exp(diff)), "interval": [float(np.exp(diff - half)), float(np.exp(diff + half))],
             "confidence": confidence, "looks": looks, "repeats": [int(la.size), int(lb.size)]}
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile for p >= 0.5 (scipy.stats.t.ppf), by bisection on its CDF: scipy is a dev-only
+    package and validation runs on a plain install."""
+    if not 0.5 <= p < 1 or df <= 0:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df > 0, got p={p}, df={df}")
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def _t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for t >= 0: 1 - I_x(df/2, 1/2) / 2 with x = df / (df + t^2)."""
+    return 1.0 - 0.5 * _beta_regularized(df / 2, 0.5, df / (df + t * t))
+
+
+def _beta_regularized(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta I_x(a, b), by its continued fraction (Lentz's method)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below this point: use the symmetry
+        return 1.0 - _beta_regularized(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * h / a
 
 
 def compare(a: dict, b: dict, metric: str, direction: str, confidence: float, looks: int) -> dict:

@@ -392,3 +392,18 @@ def test_a_genuine_tie_on_real_servers_is_reported_and_the_default_closer_one_ex
     export.export(directory)
     assert "TIE: " in (directory / "best" / "launch.sh").read_text()
     assert yaml.safe_load((directory / "best" / "config.yaml").read_text()).get("prefill-ubatch", 256) == 256
+
+
+def test_t_quantile_equals_scipys_and_validation_imports_without_scipy():
+    """Validation's Welch interval needs Student's t; scipy is a dev-only package, so the plain install
+    (`bash setup.sh`, no dev extra) must import validate without it."""
+    from scipy import stats
+
+    for p in (0.5, 0.75, 0.95, 0.975, 0.99, 0.9917, 0.9995):
+        for df in (0.8, 1.0, 1.7, 2.0, 3.4, 6.0, 12.5, 40.0, 1e4):
+            assert validate.t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError):
+        validate.t_quantile(0.3, 4.0)
+    code = "import sys; sys.modules['scipy'] = None; import autotune.validate, autotune.pipeline"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
