@@ -114,9 +114,11 @@ def real_weights() -> np.ndarray:
     return quants.dequantize(tensor.data, tensor.tensor_type)[:512].astype(np.float32)
 
 
-@pytest.fixture(params=list(PATHS), scope="module")
+@pytest.fixture(params=list(PATHS))
 def kernel_path(request):
-    """quantize._kernel built for one code path (each cached like the engine's own build)."""
+    """quantize._kernel built for one code path (each cached like the engine's own build), for one test only: a
+    module-scoped one stays installed until the module ends, so the tests after the last path's would run
+    in-process on plain C while their server runs the native build."""
     built = quantize.build_kernel(PATHS[request.param])
     saved = quantize._kernel
     quantize._kernel = lambda: built
