@@ -415,7 +415,7 @@ def beats(a: dict, b: dict, metric: str, direction: str, confidence: float, look
 def rivals(ctx: StudyContext, winner: dict, results: list[dict], baseline: dict, metric: str, direction: str) -> list[dict]:
     """What the winner must beat beyond the noise: the runner-up (noisy ones included: the interval weighs
     their noise), and the baseline (the engine defaults)."""
-    pool = [r for r in contenders(results, metric, noisy=True) if r is not winner]
+    pool = [r for r in contenders(results, metric) if r is not winner]
     pick = max if direction == "maximize" else min
     out = [pick(pool, key=lambda r: r["stats"][metric]["median"])] if pool else []
     base_key = effective_key(ctx.adapter, baseline["config"])
@@ -446,19 +446,16 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
                     "fastest": winner["label"], "exported": chosen["label"], "changed": changed, "why": why}
 
 
-def contenders(results: list[dict], metric: str, noisy: bool = False) -> list[dict]:
-    """Measured configurations that may win: those that passed, else (all noisy) the noisy ones; with
-    `noisy`, both."""
+def contenders(results: list[dict], metric: str) -> list[dict]:
+    """Measured configurations that may win: those whose only fault, if any, is noise (the interval weighs it)."""
     measured = [r for r in results if r.get("stats") and r["stats"][metric]["median"] is not None]
-    passed = [r for r in measured if not r["reasons"]]
-    steady_or_noisy = [r for r in measured if all(x.startswith("noisy:") for x in r["reasons"])]
-    return steady_or_noisy if noisy else passed or steady_or_noisy
+    return [r for r in measured if all(x.startswith("noisy:") for x in r["reasons"])]
 
 
 def pick_winner(results: list[dict], metric: str, direction: str) -> tuple[dict | None, str | None]:
     """The best configuration whose only fault, if any, is noise, with a warning when it is noisy. Whether it
     beats the others beyond that noise is for `settle` (a tie exports the simpler configuration)."""
-    pool = contenders(results, metric, noisy=True)
+    pool = contenders(results, metric)
     if not pool:
         return None, None
     pick = max if direction == "maximize" else min
