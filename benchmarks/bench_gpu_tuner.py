@@ -8,7 +8,7 @@
 sweep: the space's main axes on the embedded engine (bf16): drafter none / n-gram x draft length x
 graphs+compile off / on (inductor, CUDA graphs for 1, 2, 4, 8) x verify slots 4 / 8. One launch per
 (drafter, graphs/compile, slots): the draft length is a runtime knob, changed on the running server as the
-tuner itself does. Each launch is warmed up (a burst at the highest concurrency) and then measured at every
+tuner itself does. Each launch is warmed up as a trial is (bench.runner.warm_up at the highest concurrency), then measured at every
 concurrency; `sweep_wall_s` per concurrency is what a sweep at that concurrency alone costs: every launch
 and warm-up plus that concurrency's measurements.
 tuner: `autotune run --gpu auto` with its default space and seeds at one concurrency; its wall time includes
@@ -33,10 +33,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autotune.bench import load_workload  # noqa: E402
-from autotune.bench.runner import measure_server, run_benchmark  # noqa: E402
-from autotune.engines import get_adapter  # noqa: E402
-from autotune.engines.launcher import launch  # noqa: E402
+from autotune.bench import load_workload
+from autotune.bench.runner import measure_server, warm_up
+from autotune.engines import get_adapter
+from autotune.engines.launcher import launch
 
 FAST = {"compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4, 8]}
 SLOW = {"compile": "none", "cuda_graph_batch_sizes": []}
@@ -75,15 +75,13 @@ def sweep(args):
             continue
         try:
             launch_s = time.monotonic() - t0
-            t1 = time.monotonic()
-            top = max(args.concurrency)
             if config["drafter"] != "none":
                 adapter.apply_runtime(server.base_url, {"draft_length": max(lengths)})
-            run_benchmark(server.base_url, workload, concurrency=top, num_requests=2 * top,
-                          max_tokens=args.max_tokens, progress=False, request_timeout=args.request_timeout)
-            warmup_s = time.monotonic() - t1
+            # the tuner's own warm-up (waves at the highest concurrency until they stop getting faster)
+            warm = warm_up(server, workload, concurrency=max(args.concurrency), max_tokens=args.max_tokens,
+                           seed=args.seed, request_timeout=args.launch_timeout)
             launched.append({"name": name, "config": config, "launch_s": round(launch_s, 2),
-                             "warmup_s": round(warmup_s, 2)})
+                             "warmup_s": warm["warmup_s"]})
             for k in lengths:
                 if k is not None:
                     adapter.apply_runtime(server.base_url, {"draft_length": k})
@@ -162,8 +160,8 @@ def confirm(args):
                                        timeout_s=args.launch_timeout)
                 adapter.apply_runtime(servers[side].base_url,
                                       {k: v for k, v in config.items() if k in adapter.runtime_params})
-                run_benchmark(servers[side].base_url, workload, concurrency=c, num_requests=2 * c,
-                              max_tokens=args.max_tokens, progress=False)  # warm-up
+                warm_up(servers[side], workload, concurrency=c, max_tokens=args.max_tokens, seed=args.seed,
+                        request_timeout=args.launch_timeout)
             values = {side: [] for side in sides}
             for r in range(args.rounds):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
