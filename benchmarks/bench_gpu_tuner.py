@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
 from autotune.engines import get_adapter
-from autotune.engines.launcher import launch
+from autotune.engines.launcher import LaunchError, launch
 
 FAST = {"compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4, 8]}
 SLOW = {"compile": "none", "cuda_graph_batch_sizes": []}
@@ -69,7 +69,7 @@ def sweep(args):
         try:
             server = launch(adapter, config, log_path=out / "logs" / f"{name.replace(' ', '_')}.log",
                             timeout_s=args.launch_timeout)
-        except Exception as e:  # a launch that fails is a result of the sweep
+        except (LaunchError, ValueError) as e:  # a launch that fails is a result of the sweep
             launched.append({"name": name, "config": config, "error": str(e).splitlines()[0]})
             print(f"{name}: launch failed: {e}", flush=True)
             continue
@@ -111,7 +111,7 @@ def tuner(args):
     argv += [*(["--trials", str(args.trials)] if args.trials else []), *(["--budget", args.budget] if args.budget else [])]
     env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(out / "studies")}
     t0 = time.monotonic()
-    rc = subprocess.run(argv, env=env).returncode
+    rc = subprocess.run(argv, env=env, check=False).returncode
     wall = time.monotonic() - t0
     directory = out / "studies" / name
     validation = json.loads((directory / "best" / "validation.json").read_text()) if rc == 0 else {}
@@ -125,9 +125,11 @@ def tuner(args):
 
 def _trial_count(directory: Path) -> int | None:
     import optuna
+    if not (directory / "study.db").exists():  # the run failed before creating its study
+        return None
     try:
         study = optuna.load_study(study_name=directory.name, storage=f"sqlite:///{directory / 'study.db'}")
-    except Exception:
+    except KeyError:  # a storage without that study
         return None
     return sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
 
@@ -200,7 +202,7 @@ def summarize(args):
         rows.append(row)
     # AUTOTUNE_COMMIT: the commit a device run's `git archive` came from (the archive has no .git)
     commit = os.environ.get("AUTOTUNE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     summary = {"commit": commit, **doc["settings"], "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(yaml.safe_dump(summary, sort_keys=False))
