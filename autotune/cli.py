@@ -171,6 +171,8 @@ def run(
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
     parallel: str = typer.Option("1", help="trials side by side on disjoint GPUs (CPU: cores shared): auto | N"),
     plan_only: bool = typer.Option(False, "--plan", help="print the planned space and queued seeds, launch nothing"),
+    estimator: bool = typer.Option(True, help="fit and evaluate the draft-length estimator after validation "
+                                              "(on the embedded engine: two more launches of the setup)"),
 ):
     """Tune an engine's launch configuration on this machine with an Optuna study."""
     from rich.console import Console
@@ -198,7 +200,7 @@ def run(
         raise typer.Exit(1)
     if not outcome.interrupted:  # prove the winner on fresh launches, hand it over, explain it
         try:
-            done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts,
+            done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, estimator=estimator,
                                    **the_plan.adapter.finish_validation)
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)

@@ -1,18 +1,21 @@
-"""Does the tuner find what the GPU can do? A reference sweep against `autotune run` (issue 16, point 6).
+"""Does the tuner find what the GPU can do? A reference sweep against `autotune run` (issue 16, points 6 and 8).
 
-    python3 benchmarks/bench_gpu_tuner.py sweep   --out DIR [--concurrency 1 4 8]
-    python3 benchmarks/bench_gpu_tuner.py tuner   --out DIR --concurrency 4 [--trials 8 --budget 3m]
-    python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--rounds 3]
-    python3 benchmarks/bench_gpu_tuner.py summarize --out DIR        # -> DIR/summary.json
+    python3 benchmarks/bench_gpu_tuner.py sweep   --out DIR [--engine embedded|llamacpp] [--concurrency 1 4 8]
+    python3 benchmarks/bench_gpu_tuner.py tuner   --out DIR [--engine ...] --concurrency 4 [--trials 8 --budget 3m]
+    python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--engine ...] [--rounds 3]
+    python3 benchmarks/bench_gpu_tuner.py summarize --out DIR [--engine ...]   # -> DIR/summary[-ENGINE].json
 
-sweep: the space's main axes on the embedded engine (bf16): drafter none / n-gram x draft length x
-graphs+compile off / on (inductor, CUDA graphs for 1, 2, 4, 8) x verify slots 4 / 8. One launch per
-(drafter, graphs/compile, slots): the draft length is a runtime knob, changed on the running server as the
-tuner itself does. Each launch is warmed up as a trial is (bench.runner.warm_up at the highest concurrency), then measured at every
+sweep, embedded: the space's main axes (bf16): drafter none / n-gram x draft length x graphs+compile off / on
+(inductor, CUDA graphs for 1, 2, 4, 8) x verify slots 4 / 8. One launch per (drafter, graphs/compile, slots):
+the draft length is a runtime knob, changed on the running server as the tuner itself does.
+sweep, llamacpp: speculative type none / ngram-simple / ngram-mod x flash attention on / off x slots (-np) 4 / 8,
+layers on the GPU by the server's own -ngl auto: every one a launch (llama-server has no runtime knobs).
+Each launch is warmed up as a trial is (bench.runner.warm_up at the highest concurrency), then measured at every
 concurrency; `sweep_wall_s` per concurrency is what a sweep at that concurrency alone costs: every launch
 and warm-up plus that concurrency's measurements.
-tuner: `autotune run --gpu auto` with its default space and seeds at one concurrency; its wall time includes
-validation, export and report (what a user waits for).
+tuner: `autotune run --gpu auto` with its default space and seeds at one concurrency, without the estimator
+step (it has its own benchmark, bench_estimator.py). `wall_s` is what a user waits for (search, validation,
+export, report); `search_s` the trials alone; `to_best_s` until the trial the validation chose had finished.
 confirm: the sweep's best and the tuner's validated winner per concurrency, relaunched side by side and
 measured in alternation (`--rounds` each): the ratio comes from this run, not from the runs that chose them.
 """
@@ -44,12 +47,23 @@ DRAFT_LENGTHS = (4, 8)  # the field report: 4 gave 5x, 16 almost nothing; 8 is w
 WORKLOAD = "code"
 
 
-def launches():
+def embedded_launches():
     for fast_name, fast in (("eager", SLOW), ("graphs+inductor", FAST)):
         for slots in (4, 8):
             base = {"dtype": "bfloat16", "verify_slots": slots, **fast}
             yield f"plain {fast_name} slots{slots}", {**base, "drafter": "none"}, [None]
             yield f"ngram {fast_name} slots{slots}", {**base, "drafter": "ngram"}, list(DRAFT_LENGTHS)
+
+
+def llamacpp_launches():
+    for spec in ("none", "ngram-simple", "ngram-mod"):  # the server's own n-gram sizes (its --help defaults)
+        for flash in ("on", "off"):
+            for slots in (4, 8):
+                yield (f"{spec} fa-{flash} np{slots}",
+                       {"spec_type": spec, "flash_attn": flash, "parallel": slots}, [None])
+
+
+LAUNCHES = {"embedded": embedded_launches, "llamacpp": llamacpp_launches}
 
 
 def requests_at(concurrency: int, per_stream: int) -> int:
@@ -59,10 +73,11 @@ def requests_at(concurrency: int, per_stream: int) -> int:
 def sweep(args):
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    adapter, workload = get_adapter("embedded"), load_workload(WORKLOAD, args.seed)
+    adapter, workload = get_adapter(args.engine), load_workload(WORKLOAD, args.seed)
     cells, launched = [], []
-    settings = {"workload": WORKLOAD, "max_tokens": args.max_tokens, "per_stream": args.per_stream, "seed": args.seed}
-    for name, config, lengths in launches():
+    settings = {"engine": args.engine, "workload": WORKLOAD, "max_tokens": args.max_tokens,
+                "per_stream": args.per_stream, "seed": args.seed}
+    for name, config, lengths in LAUNCHES[args.engine]():
         if args.only and not re.search(args.only, name):
             continue
         t0 = time.monotonic()
@@ -75,7 +90,7 @@ def sweep(args):
             continue
         try:
             launch_s = time.monotonic() - t0
-            if config["drafter"] != "none":
+            if config.get("drafter", "none") != "none":
                 adapter.apply_runtime(server.base_url, {"draft_length": max(lengths)})
             # the tuner's own warm-up (waves at the highest concurrency until they stop getting faster)
             warm = warm_up(server, workload, concurrency=max(args.concurrency), max_tokens=args.max_tokens,
@@ -98,44 +113,70 @@ def sweep(args):
                           f"({summary['failed']} failed, {summary['duration_s']:.1f} s)", flush=True)
         finally:
             server.stop()
-        (out / "sweep.json").write_text(json.dumps({"settings": settings, "launches": launched, "cells": cells}, indent=1) + "\n")
+        sweep_path(out, args.engine).write_text(
+            json.dumps({"settings": settings, "launches": launched, "cells": cells}, indent=1) + "\n")
+
+
+def sweep_path(out: Path, engine: str, stem: str = "sweep") -> Path:
+    """DIR/sweep.json for the embedded engine (as the first runs wrote it), DIR/sweep-llamacpp.json else."""
+    return out / (f"{stem}.json" if engine == "embedded" else f"{stem}-{engine}.json")
 
 
 def tuner(args):
     out = Path(args.out)
     c = args.concurrency[0]
-    name = f"tuner-c{c}"
-    argv = [sys.executable, "-m", "autotune.cli", "run", "--gpu", "auto", "--workload", WORKLOAD,
-            "--concurrency", str(c), "--num-requests", str(requests_at(c, args.per_stream)),
-            "--max-tokens", str(args.max_tokens), "--study", name, "--seed", str(args.seed)]
+    name = tuner_name(args.engine, c)
+    argv = [sys.executable, "-m", "autotune.cli", "run", "--gpu", "auto", "--engine", args.engine,
+            "--workload", WORKLOAD, "--concurrency", str(c), "--num-requests", str(requests_at(c, args.per_stream)),
+            "--max-tokens", str(args.max_tokens), "--study", name, "--seed", str(args.seed), "--no-estimator"]
     argv += [*(["--trials", str(args.trials)] if args.trials else []), *(["--budget", args.budget] if args.budget else [])]
     env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(out / "studies")}
+    started = time.time()
     t0 = time.monotonic()
     rc = subprocess.run(argv, env=env, check=False).returncode
     wall = time.monotonic() - t0
     directory = out / "studies" / name
-    validation = json.loads((directory / "best" / "validation.json").read_text()) if rc == 0 else {}
+    validation_path = directory / "best" / "validation.json"
+    validation = json.loads(validation_path.read_text()) if rc == 0 and validation_path.exists() else {}
     winner = validation.get("winner") or {}
-    record = {"concurrency": c, "argv": argv[1:], "rc": rc, "wall_s": round(wall, 1),
-              "trials": _trial_count(directory), "winner_config": winner.get("config"),
-              "tuner_validated_tok_s": ((winner.get("stats") or {}).get("output_tok_s") or {}).get("median")}
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    record = {"engine": args.engine, "concurrency": c, "argv": argv[1:], "rc": rc, "wall_s": round(wall, 1),
+              **_trial_times(directory, started, winner.get("trial")),
+              "validated_at_s": round(validation_path.stat().st_mtime - started, 1) if validation else None,
+              "winner_config": winner.get("config"), "winner_trial": winner.get("trial"), "tie": winner.get("tie"),
+              "tuner_validated_tok_s": ((winner.get("stats") or {}).get("output_tok_s") or {}).get("median"),
+              "gain_over_defaults": winner.get("gain_over_baseline")}
+    tuner_path(out, args.engine, c).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
 
 
-def _trial_count(directory: Path) -> int | None:
+def tuner_name(engine: str, c: int) -> str:
+    return f"tuner-c{c}" if engine == "embedded" else f"tuner-{engine}-c{c}"
+
+
+def tuner_path(out: Path, engine: str, c: int) -> Path:
+    return out / f"{tuner_name(engine, c)}.json"
+
+
+def _trial_times(directory: Path, started: float, best_trial: int | None) -> dict:
+    """Measured trials, the trials' span (search_s) and when the validated winner's trial ended (to_best_s),
+    in seconds from the run's start."""
     import optuna
+    empty = {"trials": None, "search_s": None, "to_best_s": None}
     if not (directory / "study.db").exists():  # the run failed before creating its study
-        return None
+        return empty
     try:
         study = optuna.load_study(study_name=directory.name, storage=f"sqlite:///{directory / 'study.db'}")
     except KeyError:  # a storage without that study
-        return None
-    return sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+        return empty
+    ended = [t for t in study.trials if t.datetime_complete is not None]
+    best = next((t for t in ended if t.number == best_trial), None)
+    return {"trials": sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials),
+            "search_s": round(max(t.datetime_complete.timestamp() for t in ended) - started, 1) if ended else None,
+            "to_best_s": round(best.datetime_complete.timestamp() - started, 1) if best else None}
 
 
-def best_cells(out: Path) -> dict[int, dict]:
-    cells = json.loads((out / "sweep.json").read_text())["cells"]
+def best_cells(out: Path, engine: str) -> dict[int, dict]:
+    cells = json.loads(sweep_path(out, engine).read_text())["cells"]
     best = {}
     for cell in cells:
         c = cell["concurrency"]
@@ -147,13 +188,17 @@ def best_cells(out: Path) -> dict[int, dict]:
 def confirm(args):
     """Relaunch the sweep's best and the tuner's winner per concurrency; alternate measurements."""
     out = Path(args.out)
-    adapter, workload = get_adapter("embedded"), load_workload(WORKLOAD, args.seed + 1)  # other prompts order
+    adapter, workload = get_adapter(args.engine), load_workload(WORKLOAD, args.seed + 1)  # other prompts order
     rows = {}
-    for c, cell in sorted(best_cells(out).items()):
-        path = out / f"tuner-c{c}.json"
+    for c, cell in sorted(best_cells(out, args.engine).items()):
+        path = tuner_path(out, args.engine, c)
         if not path.exists() or not json.loads(path.read_text()).get("winner_config"):
             continue
         sides = {"sweep_best": cell["config"], "tuner": json.loads(path.read_text())["winner_config"]}
+        if adapter.effective(sides["sweep_best"]) == adapter.effective(sides["tuner"]):
+            rows[c] = {"same_configuration": True, "ratio_tuner_over_sweep": 1.0}  # nothing to tell apart
+            print(f"c={c}: the tuner's winner is the sweep's best", flush=True)
+            continue
         servers = {}
         try:
             for side, config in sides.items():
@@ -178,25 +223,29 @@ def confirm(args):
         rows[c] = {side: {"values": v, "median": statistics.median(v)} for side, v in values.items()}
         rows[c]["ratio_tuner_over_sweep"] = rows[c]["tuner"]["median"] / rows[c]["sweep_best"]["median"]
         print(f"c={c}: {json.dumps(rows[c])}", flush=True)
-        (out / "confirm.json").write_text(json.dumps(rows, indent=1) + "\n")
+    sweep_path(out, args.engine, "confirm").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def summarize(args):
     out = Path(args.out)
-    doc = json.loads((out / "sweep.json").read_text())
+    doc = json.loads(sweep_path(out, args.engine).read_text())
     launch_cost = sum(item.get("launch_s", 0) + item.get("warmup_s", 0) for item in doc["launches"])
-    confirmed = json.loads((out / "confirm.json").read_text()) if (out / "confirm.json").exists() else {}
+    confirm_path = sweep_path(out, args.engine, "confirm")
+    confirmed = json.loads(confirm_path.read_text()) if confirm_path.exists() else {}
     rows = []
-    for c, cell in sorted(best_cells(out).items()):
+    for c, cell in sorted(best_cells(out, args.engine).items()):
         measured = sum(x["measure_s"] for x in doc["cells"] if x["concurrency"] == c)
-        tuner_path = out / f"tuner-c{c}.json"
-        t = json.loads(tuner_path.read_text()) if tuner_path.exists() else {}
+        path = tuner_path(out, args.engine, c)
+        t = json.loads(path.read_text()) if path.exists() else {}
         sweep_wall = launch_cost + measured
         row = {"concurrency": c, "sweep_best_tok_s": cell["output_tok_s"], "sweep_best_config": cell["config"],
                "sweep_cells": sum(x["concurrency"] == c for x in doc["cells"]), "sweep_wall_s": round(sweep_wall, 1),
                "tuner_validated_tok_s": t.get("tuner_validated_tok_s"), "tuner_config": t.get("winner_config"),
+               "tuner_over_sweep_best": (round(t["tuner_validated_tok_s"] / cell["output_tok_s"], 3)
+                                         if t.get("tuner_validated_tok_s") else None),
                "trials": t.get("trials"), "wall_s": t.get("wall_s"),
-               "wall_fraction": round(t["wall_s"] / sweep_wall, 3) if t.get("wall_s") else None}
+               **{f"{key}_fraction": round(t[key] / sweep_wall, 3) if t.get(key) else None
+                  for key in ("wall_s", "validated_at_s", "search_s", "to_best_s")}}
         if str(c) in confirmed:
             row["confirm"] = confirmed[str(c)]
         rows.append(row)
@@ -204,7 +253,7 @@ def summarize(args):
     commit = os.environ.get("AUTOTUNE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     summary = {"commit": commit, **doc["settings"], "rows": rows}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    sweep_path(out, args.engine, "summary").write_text(json.dumps(summary, indent=1) + "\n")
     print(yaml.safe_dump(summary, sort_keys=False))
 
 
@@ -212,6 +261,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["sweep", "tuner", "confirm", "summarize"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--engine", choices=sorted(LAUNCHES), default="embedded")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--per-stream", type=int, default=4, help="measured requests per concurrent stream")
     ap.add_argument("--max-tokens", type=int, default=128)
