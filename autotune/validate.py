@@ -5,7 +5,8 @@ A study measures each configuration once, on a server that may have been reused;
 noisy measurements is biased upwards (the winner's curse). So the top K distinct configurations
 (and the baseline: the study's engine-defaults trial, else the engine's own defaults) each get a
 fresh launch, a warm-up (compiling and graph capture are launch cost) and N benchmarks of the study's
-load. Per metric: median, MAD and a bootstrap 95% interval of the median. A configuration is demoted, with the reason written down, when it fails to
+load; configurations that differ only in runtime settings (the draft length) share a launch and are
+measured in alternation, as the study's trials share a server (on a GPU a launch compiles for a minute). Per metric: median, MAD and a bootstrap 95% interval of the median. A configuration is demoted, with the reason written down, when it fails to
 launch, has errors, misses an SLO in any repeat, or is noisy (MAD above `max_noise` of the median).
 Its greedy outputs are compared with the baseline's token by token (identical prompts, identical-token
 share, first divergence per prompt) and reported, not judged: with the baseline's numerics, greedy
@@ -155,53 +156,90 @@ def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], re
 
 
 # -- one configuration: fresh launch, warm-up, greedy outputs, N benchmarks -------------------------
-def measure(ctx: StudyContext, label: str, config: dict, *, repeats: int, prompts: list[dict], quality_tokens: int,
-            workload, launch_timeout_s: float, tick=lambda: None, rec: dict | None = None) -> dict:
-    """A fresh launch of `config`, its warm-up, the greedy outputs (first launch only) and `repeats`
-    benchmarks, added to `rec` (a new record when None): a later call is one more launch of it."""
-    first = rec is None
-    rec = rec if rec is not None else {"label": label, "config": config, "runs": [], "request_files": [], "launches": []}
-    n = len(rec["launches"])
-    log = ctx.directory / "validation" / "logs" / (f"{label}.log" if first else f"{label}-launch-{n}.log")
+def new_record(label: str, config: dict) -> dict:
+    return {"label": label, "config": config, "runs": [], "request_files": [], "launches": []}
+
+
+def launch_groups(ctx: StudyContext, recs: list[dict]) -> list[list[dict]]:
+    """`recs` grouped by what a running server cannot change: configurations that differ only in runtime
+    settings (the draft length, say) share one launch, as the study's trials share a server."""
+    runtime = set(ctx.adapter.runtime_params)
+    groups: dict = {}
+    for rec in recs:
+        key = effective_key(ctx.adapter, {k: v for k, v in rec["config"].items() if k not in runtime})
+        groups.setdefault(key, []).append(rec)
+    return list(groups.values())
+
+
+def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[dict], quality_tokens: int,
+            workload, launch_timeout_s: float, tick=lambda: None) -> None:
+    """One fresh launch shared by `recs` (one launch group), its warm-up, each record's greedy outputs (on
+    its first launch) and `repeats` benchmarks of each, in alternation (the order flips every repeat), added
+    to the records: a later call is one more launch of them."""
+    runtime_names = set(ctx.adapter.runtime_params)
+
+    def use(server, rec):  # the record's runtime settings on the shared server
+        runtime = {k: v for k, v in rec["config"].items() if k in runtime_names}
+        if len(recs) > 1 and runtime:
+            ctx.adapter.apply_runtime(server.base_url, runtime)
+
+    n = len(recs[0]["launches"])
+    label = "+".join(rec["label"] for rec in recs)
+    log = ctx.directory / "validation" / "logs" / (f"{label}.log" if n == 0 else f"{label}-launch-{n}.log")
     t0 = time.monotonic()
     try:
-        server = launch(ctx.adapter, config, model=ctx.model, draft_model=ctx.draft_model, log_path=log,
+        server = launch(ctx.adapter, recs[0]["config"], model=ctx.model, draft_model=ctx.draft_model, log_path=log,
                         timeout_s=launch_timeout_s)
     except LaunchError as e:
-        rec.update(failure=f"launch {e.kind}: {e.message}", **({"argv": e.argv, "env": {}, "log": str(log)} if first else {}))
-        return rec
+        for rec in recs:
+            first = not rec["launches"]
+            rec.update(failure=f"launch {e.kind}: {e.message}", **({"argv": e.argv, "env": {}, "log": str(log)} if first else {}))
+        return
     launched = {"log": str(log), "launch_s": round(time.monotonic() - t0, 3)}
-    if first:
-        rec.update(argv=server.argv, env=server.env, log=str(log), launch_s=launched["launch_s"])
+    firsts = [rec for rec in recs if not rec["launches"]]
+    port = int(server.base_url.rsplit(":", 1)[1])
+    for rec in firsts:  # each its own command line (the runtime settings as flags) at this address
+        argv = ctx.adapter.command(rec["config"], model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
+                                   port=port)[0] if rec is not recs[0] else server.argv
+        rec.update(argv=argv, env=server.env, log=str(log), launch_s=launched["launch_s"])
     try:
+        use(server, recs[0])
         # compiling and graph capture at the first requests are launch cost, not the first repeat's speed
         warm = warm_up(server, workload, concurrency=ctx.load["concurrency"], max_tokens=ctx.load["max_tokens"],
                        seed=ctx.load["seed"], request_timeout=launch_timeout_s)
         launched["warmup_s"] = warm["warmup_s"]
-        if first:
+        for rec in firsts:
             rec["warmup_s"] = warm["warmup_s"]
             try:
+                use(server, rec)
                 rec["greedy"] = greedy_outputs(server.base_url, prompts, quality_tokens) if prompts else []
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for _ in range(repeats):
-            r = len(rec["runs"])
-            summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
-                                               num_requests=ctx.load["num_requests"], max_tokens=ctx.load["max_tokens"],
-                                               seed=ctx.load["seed"])
-            path = ctx.directory / "validation" / f"{label}-repeat-{r}.parquet"
-            requests.assign(repeat=r).to_parquet(path, index=False)
-            rec["request_files"].append(str(path))
-            rec["runs"].append(summary)
-            tick()
+        for repeat in range(repeats):
+            for rec in (recs if repeat % 2 == 0 else recs[::-1]):
+                if rec.get("failure"):
+                    continue
+                use(server, rec)
+                r = len(rec["runs"])
+                summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
+                                                   num_requests=ctx.load["num_requests"],
+                                                   max_tokens=ctx.load["max_tokens"], seed=ctx.load["seed"])
+                path = ctx.directory / "validation" / f"{rec['label']}-repeat-{r}.parquet"
+                requests.assign(repeat=r).to_parquet(path, index=False)
+                rec["request_files"].append(str(path))
+                rec["runs"].append(summary)
+                tick()
+                if not server.alive():
+                    for failed in recs:
+                        failed["failure"] = f"server exited during repeat {r} (see {log})"
+                    break
             if not server.alive():
-                rec["failure"] = f"server exited during repeat {r} (see {log})"
                 break
     finally:
         server.stop()
-    rec["launches"].append(launched)
-    rec["stats"] = {m: spread([run.get(m) for run in rec["runs"]]) for m in TRACKED}
-    return rec
+    for rec in recs:
+        rec["launches"].append(launched)
+        rec["stats"] = {m: spread([run.get(m) for run in rec["runs"]]) for m in TRACKED}
 
 
 def judge(ctx: StudyContext, rec: dict, slo, max_noise: float) -> list[str]:
@@ -257,36 +295,42 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
         task = bar.add_task("", total=steps)
 
-        def run(label, config, n=repeats, rec=None):
-            bar.update(task, description=label)
-            return measure(ctx, label, config, repeats=n, prompts=prompts, quality_tokens=quality_tokens,
-                           workload=workload, launch_timeout_s=launch_timeout_s, tick=lambda: bar.advance(task), rec=rec)
+        def run(recs, n=repeats):
+            for group in launch_groups(ctx, recs):
+                bar.update(task, description=" + ".join(rec["label"] for rec in group))
+                measure(ctx, group, repeats=n, prompts=prompts, quality_tokens=quality_tokens, workload=workload,
+                        launch_timeout_s=launch_timeout_s, tick=lambda: bar.advance(task))
 
         def judged(rec):
             rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
             rec["status"] = "demoted" if rec["reasons"] else "passed"
             return rec
 
-        baseline = run("baseline", base_config)
+        baseline = new_record("baseline", base_config)
+        run([baseline])
         tokenizer = ctx.adapter.tokenizer(ctx.model)
         encode = tokenizer.encode if tokenizer is not None else None
         baseline.update(trial=base_trial, quality=quality(ctx, base_config, base_config, baseline.get("greedy") or [],
                                                           baseline.get("greedy"), encode))
         reference = baseline.get("greedy")
-        results = []
+        results, fresh = [], []
         for t in candidates:
             config = t.user_attrs.get("config") or {}
-            same = effective_key(ctx.adapter, config) == base_key
-            if same:  # the baseline's measurements, as a record of its own (more repeats go to one of them)
-                rec = {**baseline, "label": f"trial-{t.number}", "runs": list(baseline.get("runs", [])),
+            if effective_key(ctx.adapter, config) == base_key:
+                # the baseline's measurements, as a record of its own (more repeats go to one of them)
+                rec = {**baseline, "label": f"trial-{t.number}", "config": config, "runs": list(baseline.get("runs", [])),
                        "request_files": list(baseline.get("request_files", [])),
                        "launches": list(baseline.get("launches", []))}
                 bar.advance(task, repeats)
             else:
-                rec = run(f"trial-{t.number}", config)
-            rec.update(trial=t.number, config=config, study_value=t.values[0],
-                       quality=quality(ctx, config, base_config, rec.get("greedy") or [], reference, encode))
-            results.append(judged(rec))
+                rec = new_record(f"trial-{t.number}", config)
+                fresh.append(rec)
+            rec.update(trial=t.number, study_value=t.values[0])
+            results.append(rec)
+        run(fresh)
+        for rec in results:
+            rec["quality"] = quality(ctx, rec["config"], base_config, rec.get("greedy") or [], reference, encode)
+            judged(rec)
         judged(baseline)
 
         # Close races get more repeats: the winner and each rival it does not beat beyond the noise.
@@ -300,8 +344,8 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
             if not close or not more:
                 break
             bar.update(task, total=bar.tasks[0].total + len(more))
+            run(more, 1)
             for rec in more:
-                run(rec["label"], rec["config"], 1, rec)
                 judged(rec)
     winner, warning = pick_winner(results, metric, direction)
     comparisons = [compare(winner, r, metric, direction, confidence, looks)

@@ -394,6 +394,33 @@ def test_a_genuine_tie_on_real_servers_is_reported_and_the_default_closer_one_ex
     assert yaml.safe_load((directory / "best" / "config.yaml").read_text()).get("prefill-ubatch", 256) == 256
 
 
+@pytest.mark.slow
+def test_configurations_that_differ_only_at_runtime_share_each_launch(tmp_path):
+    """n-gram at draft length 2 and 4 is one server with two runtime settings: validation launches it once per
+    round for both (alternating them), as the study's trials shared it, and each record keeps its own command
+    line and its own repeats; the baseline (another launch) keeps its own."""
+    sets = ["drafter=ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
+            "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
+    opts = planning.RunOptions(trials=2, study="shared", studies_root=str(tmp_path), workload="chat", concurrency=2,
+                               quick_requests=1, live=False, sets=sets, **LOAD)
+    loop.run_study(planning.build(opts))
+    doc = validate.validate(tmp_path / "shared", top=2, repeats=2, max_repeats=3, quality_prompts=1,
+                            quality_tokens=8, load=LOAD, progress=False)
+    by_length = {c["config"]["draft_length"]: c for c in doc["candidates"]}
+    assert sorted(by_length) == [2, 4]
+    short, long = by_length[2], by_length[4]
+    assert short["log"] == long["log"] != doc["baseline"]["log"]  # one launch for both, another for the baseline
+    logs = sorted(path.name for path in (tmp_path / "shared" / "validation" / "logs").iterdir())
+    shared = [name for name in logs if not name.startswith("baseline")]
+    assert shared and all(set(name.split("-launch-")[0].removesuffix(".log").split("+")) == {short["label"], long["label"]}
+                          for name in shared)
+    for k, c in by_length.items():
+        argv = c["argv"]
+        assert argv[argv.index("--draft-length") + 1] == str(k)  # its own settings, as flags
+        assert len(c["runs"]) == len(c["stats"]["output_tok_s"]["values"]) >= 2
+        assert len(set(c["request_files"])) == len(c["runs"])  # its own per-request tables
+
+
 def test_t_quantile_equals_scipys_and_validation_imports_without_scipy():
     """Validation's Welch interval needs Student's t; scipy is a dev-only package, so the plain install
     (`bash setup.sh`, no dev extra) must import validate without it."""
