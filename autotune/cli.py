@@ -335,7 +335,7 @@ def estimate(
         text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=adapter,
                                draft_model=draft_model, alpha=alpha, concurrency=concurrency,
                                context_len=context_len, top=top, as_json=json_output,
-                               space=user_space(adapter, space, set_ or []))
+                               space=user_space(adapter, space, set_ or [], model))
     except ValueError as e:
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2)

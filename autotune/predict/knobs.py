@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from autotune.predict import gguf_types
+
 # Bytes per weight of the decoder's linear layers. AWQ and GPTQ at group size 128 pack 4-bit weights
 # (0.5 B) with, per group of 128 weights of one output column, an fp16 scale (2 B) and a 4-bit zero
 # packed eight to an int32 (0.5 B): 0.5 + 2.5/128 bytes (the qweight/qzeros/scales tensors of an AWQ or
@@ -16,7 +18,10 @@ INT4_G128_BYTES = 0.5 + 2.5 / 128
 WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "auto": 2,
                 "fp8": 1, "w8a16_fp8": 1, "int8": 1, "w8a8_int8": 1, "awq": INT4_G128_BYTES, "gptq": INT4_G128_BYTES,
                 "int4": INT4_G128_BYTES, "awq_marlin": INT4_G128_BYTES, "gptq_marlin": INT4_G128_BYTES,
-                "gguf": 0.625}  # the embedded engine running a Q4_1 GGUF's blocks: 20 bytes per 32 weights
+                # the embedded engine running the bundled Q4_1 GGUF's blocks (20 bytes per 32 weights)
+                "gguf": gguf_types.bytes_per_weight()["Q4_1"],
+                # a GGUF file's weight format by llama-quantize's name, lower-cased (q4_k_m, bf16: the same 2 B)
+                **{name.lower(): b for name, b in gguf_types.bytes_per_weight().items()}}
 # 4-bit formats are a property of the checkpoint, never converted at load time (autotune/space/constraints.py).
 # Drafters by family: eagle = a one-layer head on the target's features; mtp = the target's own extra
 # layer; draft = a separate small checkpoint; lookup = n-gram matching in the prompt (no model);

@@ -88,8 +88,8 @@ def presets() -> dict[str, ModelSpec]:
 
 
 def load_model(name_or_path: str | Path | None) -> ModelSpec:
-    """A preset name (case-insensitive), an HF checkpoint directory, a config.json or a .gguf file;
-    None is the bundled SmolLM2-135M GGUF. Raises ValueError (one line) for anything else."""
+    """A preset name (case-insensitive), an HF checkpoint directory, a config.json, a .gguf file or a
+    directory of them; None is the bundled SmolLM2-135M GGUF. Raises ValueError (one line) for anything else."""
     if name_or_path is None:
         from autotune.embedded.bundled import bundled_gguf_path
 
@@ -98,13 +98,19 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
     if key in presets():
         return presets()[key]
     path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        for file in sorted(path.glob("*.gguf")):  # one model's GGUF files (llama.cpp's gguf_type): shapes alike
+            try:
+                return _from_gguf(file.resolve(), file.stat().st_mtime_ns)
+            except ValueError:  # a vision projector or a later part of a split model
+                continue
     if path.suffix == ".gguf" and path.is_file():
         return _from_gguf(path.resolve(), path.stat().st_mtime_ns)
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
         return _from_hf_config(config)
     raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({', '.join(presets())}), "
-                     "an HF checkpoint directory or a .gguf file")
+                     "an HF checkpoint directory, a .gguf file or a directory of them")
 
 
 def _from_hf_config(file: Path) -> ModelSpec:

@@ -90,10 +90,11 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
                       resume=resume, study=study, **rest)
 
 
-def user_space(adapter: EngineAdapter, space_file: str | None, sets: list[str]) -> Space:
+def user_space(adapter: EngineAdapter, space_file: str | None, sets: list[str], model: str | None = None) -> Space:
     """The engine's space as the user narrowed it: `--space FILE` (a full space YAML, or a narrowing file
-    {name: value | [values] | {low, high}}) and then `--set name=value` pins; ValueError (one line) for a
-    name the engine does not have or a value its parameter cannot take (`run` and `estimate` alike)."""
+    {name: value | [values] | {low, high}}) and then `--set name=value` pins, then to what `model`'s files
+    offer (adapter.model_space); ValueError (one line) for a name the engine does not have or a value its
+    parameter cannot take (`run` and `estimate` alike)."""
     space = load_space(adapter.name)
     overrides: dict = {}
     if space_file:
@@ -107,7 +108,7 @@ def user_space(adapter: EngineAdapter, space_file: str | None, sets: list[str]) 
         raise ValueError(f"{space.source}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} "
                          f"of {adapter.name} {adapter.version}".rstrip())
     overrides.update(parse_set_options(sets))
-    return space.narrowed(overrides)
+    return adapter.model_space(space.narrowed(overrides), model)
 
 
 def build(opts: RunOptions) -> Plan:
@@ -123,7 +124,7 @@ def build(opts: RunOptions) -> Plan:
         adapter.use_binary(opts.engine_binary)
     if not adapter.installed():
         raise ValueError(adapter.missing())
-    space = user_space(adapter, opts.space, opts.sets)
+    space = user_space(adapter, opts.space, opts.sets, opts.model)
     hardware = probe(opts.gpu)
     model = predict.load_model(opts.model)  # None: the bundled SmolLM2
     shape = constraints.ModelShape.of(model, predict.draft_kind(opts.draft_model) if opts.draft_model else None)
