@@ -256,12 +256,13 @@ def confirm(args):
 
 def summarize(args):
     out = Path(args.out)
-    doc = json.loads(sweep_path(out, args.engine).read_text())
+    sweep_dir = Path(args.sweep_dir or out)  # a sweep recorded in another results folder (its own commit)
+    doc = json.loads(sweep_path(sweep_dir, args.engine).read_text())
     launch_cost = sum(item.get("launch_s", 0) + item.get("warmup_s", 0) for item in doc["launches"])
     confirm_path = sweep_path(out, args.engine, "confirm")
     confirmed = json.loads(confirm_path.read_text()) if confirm_path.exists() else {}
     rows = []
-    for c, cell in sorted(best_cells(out, args.engine).items()):
+    for c, cell in sorted(best_cells(sweep_dir, args.engine).items()):
         measured = sum(x["measure_s"] for x in doc["cells"] if x["concurrency"] == c)
         path = tuner_path(out, args.engine, c)
         t = json.loads(path.read_text()) if path.exists() else {}
@@ -280,7 +281,8 @@ def summarize(args):
     # AUTOTUNE_COMMIT: the commit a device run's `git archive` came from (the archive has no .git)
     commit = os.environ.get("AUTOTUNE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-    summary = {"commit": commit, **doc["settings"], "rows": rows}
+    summary = {"commit": commit, **doc["settings"], "rows": rows,
+               **({"sweep_from": str(sweep_dir)} if args.sweep_dir else {})}
     sweep_path(out, args.engine, "summary").write_text(json.dumps(summary, indent=1) + "\n")
     print(yaml.safe_dump(summary, sort_keys=False))
 
@@ -297,6 +299,7 @@ def main():
     ap.add_argument("--budget", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep-dir", default=None, help="summarize: the sweep's results folder, when not --out")
     ap.add_argument("--only", default=None, help="sweep: only the launches whose name matches this regex")
     ap.add_argument("--launch-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
