@@ -315,7 +315,7 @@ def estimate(
     model: str = typer.Option(..., help="a preset (e.g. llama-3.1-8b, qwen3-32b), an HF checkpoint dir or a .gguf file"),
     gpu: str = typer.Option("auto", help="auto (this machine) | cpu | a hardware profile name"),
     num_gpus: int = typer.Option(None, help="GPUs to plan for (default: this machine's count, or 1 for a profile)"),
-    engine: str = typer.Option("sglang", help="sglang | vllm | embedded"),
+    engine: str = typer.Option("sglang", help="sglang | vllm | llamacpp | embedded"),
     draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head (enables the drafters that need one)"),
     alpha: float = typer.Option(None, help="per-token draft acceptance in (0, 1) (default: a cited prior per drafter)"),
     concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),

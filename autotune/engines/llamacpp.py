@@ -198,10 +198,15 @@ class LlamaCppAdapter(EngineAdapter):
         # the file's weight format (a config from before gguf_type: the bundled Q4_1 file, as WEIGHT_BYTES prices
         # "gguf"); the KV cache's ggml type (q8_0: 34 bytes per 32 elements)
         read = {"quantization": c.get(GGUF_TYPE, "gguf"), "kv_cache_dtype": c.get("cache_type_k", "f16")}
+        # The input layer never leaves the CPU (build 11434 src/llama-model.cpp:1606-1607: "there is very little
+        # benefit to offloading the input layer, so always keep it on the CPU", dev_input = {cpu_dev,
+        # &cpu_buft_list}); token_embd is its tensor (src/llama-arch.cpp:750: LLM_TENSOR_TOKEN_EMBD ->
+        # LLM_TENSOR_LAYER_INPUT, GGML_OP_GET_ROWS). The head is the output layer's (llama-model.cpp:1616), on the
+        # GPU, at the types gguf_type's file stores it at.
         return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=steps + 1,
                           cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
                           max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
-                          cuda_context=on_gpu)
+                          cuda_context=on_gpu, gguf_type=c.get(GGUF_TYPE, "Q4_1"), embedding_on_host=True)
 
 
 def gguf_files(model: str) -> dict[str, Path]:

@@ -58,6 +58,13 @@ class Knobs:
     # kernels a forward pass launches per decoder layer beyond the engine's plain bf16 path (e.g. a
     # dequantize kernel per linear layer where the weights are not read by a fused kernel)
     extra_layer_kernels: int = 0
+    # the weights are a GGUF file of this llama-quantize type (Q4_K_M): its output head and token embedding are
+    # priced at the ggml types the file stores them at (its header, else llama-quantize's rules: gguf_types.py),
+    # not at the activation dtype
+    gguf_type: str | None = None
+    # the token embedding stays in host memory when the layers run on a GPU (llama.cpp's input layer), and a
+    # pass reads one row of it per token, not the table: off the GPU's memory and off the bytes per token
+    embedding_on_host: bool = False
 
 
 class Engine(Protocol):
@@ -94,7 +101,7 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                topk: int = 1, verify_tokens: int = 1, cuda_graphs: bool, graph_max_bs: int | None,
                mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
                cuda_context: bool = True, quantized_head: bool = False, block_size: int | None = None,
-               extra_layer_kernels: int = 0) -> Knobs:
+               extra_layer_kernels: int = 0, gguf_type: str | None = None, embedding_on_host: bool = False) -> Knobs:
     """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
     engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers, threads."""
     dtype = str(c.get("dtype", "bfloat16" if on_gpu else "float32"))
@@ -106,4 +113,5 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                  verify_tokens if drafter else 1, cuda_graphs, graph_max_bs, mem_fraction, max_running,
                  max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
                  c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
-                 cuda_context, quantized_head, c.get("threads"), block_size, extra_layer_kernels)
+                 cuda_context, quantized_head, c.get("threads"), block_size, extra_layer_kernels, gguf_type,
+                 embedding_on_host)

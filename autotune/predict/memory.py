@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from autotune.predict import gguf_types
 from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.models import ModelSpec, load_model
 
@@ -79,17 +80,47 @@ class MemoryEstimate:
 
 
 # -- pieces -----------------------------------------------------------------------------------------
-def weights_bytes(model: ModelSpec, k: Knobs) -> float:
-    """Per GPU. Linear layers are sharded by TP at the quantized width; the embedding and the output head
-    are sharded by vocabulary (VocabParallelEmbedding / ParallelLMHead) and stay 16-bit under FP8/int4
-    (engines leave lm_head unquantized), except where Knobs.quantized_head (the embedded engine's int8
-    keeps a quantized copy of the tied head)."""
+def weights_bytes(model: ModelSpec, k: Knobs, on_gpu: bool = True) -> float:
+    """Per GPU (`on_gpu` False: in a CPU machine's RAM). Linear layers are sharded by TP at the quantized
+    width; the embedding and the output head are sharded by vocabulary (VocabParallelEmbedding /
+    ParallelLMHead). An embedding the engine keeps on the host (Knobs.embedding_on_host) takes none of a
+    GPU's memory, but the head it needs there does: output.weight, or a tied embedding loaded a second time
+    as the output layer's tensor (llama.cpp build 11434 src/models/llama.cpp:41-46, qwen35.cpp:44-53: no
+    output.weight -> token_embd with TENSOR_DUPLICATED; src/llama-model-loader.cpp:1166-1167 places it as
+    LLM_TENSOR_OUTPUT, and 1371-1375 makes it a tensor of its own in the output layer's GPU buffer, or finds
+    the embedding's own in the CPU buffer of a CPU run)."""
+    linear, embedding, head = _weight_parts(model, k)
+    if k.embedding_on_host and on_gpu:
+        return (linear + (head or embedding)) / k.tp
+    return (linear + embedding + head) / k.tp
+
+
+def weights_read_bytes(model: ModelSpec, k: Knobs) -> float:
+    """Weight bytes one forward pass reads per GPU: all of them, but of an embedding on the host one row per
+    token (llama.cpp's GET_ROWS on the CPU), nothing beside the head's table (which a pass reads whole,
+    tied or not)."""
+    linear, embedding, head = _weight_parts(model, k)
+    if k.embedding_on_host:
+        return (linear + (head or embedding)) / k.tp
+    return (linear + embedding + head) / k.tp
+
+
+def _weight_parts(model: ModelSpec, k: Knobs) -> tuple[float, float, float]:
+    """Bytes of the linear layers, the token embedding and the output head where it is a tensor of its own
+    (untied, or the int8 copy of a tied one Knobs.quantized_head keeps; 0 where the head is the embedding).
+    Embedding and head stay 16-bit under FP8/int4 (engines leave lm_head unquantized), except in a GGUF file
+    (Knobs.gguf_type): there they are at the ggml types the file stores them at (Q6_K heads, ...)."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
     linear = model.layers * model.layer_params * linear_weight_bytes(model, k)
-    embed = model.embedding_params * dense
+    table = model.vocab * model.hidden
+    if k.gguf_type:
+        embedding, head = gguf_types.stored_bytes(model.source, k.gguf_type, model.hidden, model.tied_embeddings)
+    else:
+        embedding = head = dense
+    own_head = 0.0 if model.tied_embeddings else table * head
     if k.quantized_head and k.weight_bytes < dense and model.tied_embeddings:
-        embed += model.vocab * model.hidden * k.weight_bytes  # an int8 copy of the tied head
-    return (linear + embed) / k.tp
+        own_head = table * k.weight_bytes  # an int8 copy of the tied head
+    return linear, table * embedding, own_head
 
 
 def linear_weight_bytes(model: ModelSpec, k: Knobs) -> float:
@@ -107,7 +138,7 @@ def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) ->
     return 2 * (layers or model.cache_layers) * heads_per_gpu * model.head_dim * k.kv_bytes
 
 
-def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None) -> tuple[float, float, str]:
+def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None, on_gpu: bool = True) -> tuple[float, float, str]:
     """(weights per GPU, KV bytes per token per GPU, what was assumed) of the drafter."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
     layer = model.layer_params * dense / k.tp
@@ -125,8 +156,8 @@ def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None) -> tuple[fl
         if draft is None:
             guess = model.params * UNKNOWN_DRAFT_FRACTION * dense / k.tp
             return guess, kv_bytes_per_token(model, k) * UNKNOWN_DRAFT_FRACTION, "draft checkpoint unknown: 1/16 of the target"
-        dk = replace(k, weight_bytes=dense)
-        return weights_bytes(draft, dk), kv_bytes_per_token(draft, dk), f"draft {draft.name}"
+        dk = replace(k, weight_bytes=dense, gguf_type=None)  # the draft file's types are not known here
+        return weights_bytes(draft, dk, on_gpu), kv_bytes_per_token(draft, dk), f"draft {draft.name}"
     return 0.0, 0.0, ""  # none, n-gram lookup, early exit (the target's own layers)
 
 
@@ -171,8 +202,8 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
     fraction = k.mem_fraction or engine.default_memory_fraction(k.tp, total * GB / MIB if on_gpu else None, config)
     if on_gpu and k.max_batch_tokens is None:  # the chunk the engine picks for this GPU
         k = replace(k, max_batch_tokens=engine.default_batch_tokens(total * GB / MIB, k.tp))
-    w = weights_bytes(model, k)
-    dw, dkv, draft_note = draft_bytes(model, k, draft)
+    w = weights_bytes(model, k, on_gpu)
+    dw, dkv, draft_note = draft_bytes(model, k, draft, on_gpu)
     kv_tok = kv_bytes_per_token(model, k) + dkv
     state = model.state_bytes_per_sequence(k.tp)
     ws = workspace_bytes(model, k)
@@ -212,6 +243,8 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
         problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
                         f"of {detail['kv cache']:.2f} GB")
     parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")
+    if k.embedding_on_host and on_gpu:
+        parts += f" (token embedding {_weight_parts(model, k)[1] / GB:.2f} GB in host memory)"
     parts += f", workspace {ws / GB:.2f} GB, KV {kv_tok * 1000 / GB:.3f} GB per 1k tokens"
     parts += f", state {state / GB:.3f} GB per sequence" if state else ""
     where = f"{budget:.2f} GB usable of {total:.2f} GB" + (" per GPU" if on_gpu else " RAM")

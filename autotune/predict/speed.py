@@ -5,12 +5,12 @@ A decode step is a list of forward passes (the target's verify pass, the drafter
 takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, kernels * kernel_s)
         + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
         + spec_step_s (once per speculative step: proposing, acceptance, the host waiting on the GPU)
-Bytes: the weights once per pass plus every sequence's KV cache; FLOPs: 2 x parameters x tokens plus
-attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer (plus the adapter's
-extra_layer_kernels, e.g. a dequantize kernel per linear layer) and HEAD_KERNELS per pass. Even under a
-CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a small model is
-bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the largest
-captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
+Bytes: the weights once per pass (memory.weights_read_bytes) plus every sequence's KV cache; FLOPs:
+2 x parameters x tokens plus attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer
+(plus the adapter's extra_layer_kernels, e.g. a dequantize kernel per linear layer) and HEAD_KERNELS per
+pass. Even under a CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a
+small model is bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the
+largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
 layer of tokens x hidden activations (ring: 2(n-1)/n of the message over the link, plus a latency). A
 step yields E = (1 - a^(k+1)) / (1 - a) tokens per sequence for k drafted tokens accepted each with
 probability a. The coefficients start at the priors below (kernel_s and launch_s from the hardware
@@ -27,7 +27,7 @@ from autotune.predict.memory import (
     EAGLE3_DRAFT_VOCAB,
     UNKNOWN_DRAFT_FRACTION,
     kv_bytes_per_token,
-    weights_bytes,
+    weights_read_bytes,
 )
 from autotune.predict.models import ModelSpec
 
@@ -176,7 +176,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
 
 def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
     heads = model.heads * model.head_dim * model.cache_layers / model.layers / k.tp
-    weights = weights_bytes(model, k) + seqs * model.state_bytes_per_sequence(k.tp)  # recurrent states read once
+    weights = weights_read_bytes(model, k) + seqs * model.state_bytes_per_sequence(k.tp)  # recurrent states read once
     return make_pass(weights, model.params / k.tp, model.layers, kv_bytes_per_token(model, k),
                      heads, seqs, tokens, context, model, k, profile, eager)
 
