@@ -303,9 +303,11 @@ class Engine:
                         prompt_chars=len(seq.request.prompt_text), temperature=seq.params.temperature,
                         top_p=seq.params.top_p, prompt_text=seq.request.prompt_text)
         seq.k = override if override is not None else self.policy.first_k(features)
-        seq.stop_above = self.policy.stop_above(features) if override is None else None
         if type(self.drafter) is NoDrafter:
             seq.k = 0
+        # k = 0 stays 0 under every policy, so such a request never drafts and has nothing to stop: without a
+        # threshold its steps are a draft_length 0 request's (no target-law signals for the n-gram rule).
+        seq.stop_above = self.policy.stop_above(features) if override is None and seq.k else None
 
     def _decode(self, batch: list[Sequence]):
         policy = self.policy
