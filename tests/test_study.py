@@ -274,12 +274,33 @@ def test_plan_prints_the_space_and_seeds_fitted_to_an_h200_and_the_load(tmp_path
         assert "inductor" in space["compile"] and "bfloat16" in space["dtype"]
         assert space["verify_slots"].startswith(f"1..{max(4, concurrency)}") and space["threads"] == "= None"
         assert "gguf" not in space["quantization"]
-        assert "seed      (the defaults)" in queued[0]
+        assert "seed      (the defaults)" in queued[3]  # after the fitted seeds on a GPU (validation measures it)
         fast = [q for q in queued if "compile=inductor" in q]
-        assert len(fast) == 3 and all(f"cuda_graph_batch_sizes={sizes}" in q and "dtype=bfloat16" in q for q in fast)
+        assert fast == queued[:3] and all(f"cuda_graph_batch_sizes={sizes}" in q and "dtype=bfloat16" in q for q in fast)
         assert "drafter" not in fast[0] and all("drafter=ngram" in q for q in fast[1:])
         assert ("verify_slots=8" in fast[0]) == (concurrency == 8)  # 4 slots are the default: not a change
         assert any(" predicted " in q for q in queued)  # the roofline's picks after the seeds, on a GPU profile
+
+
+def test_the_defaults_seed_is_marked_and_is_the_baseline_wherever_it_is_queued(studies):
+    """On a GPU the fitted seeds are queued before the defaults; validation's baseline is still the defaults
+    (with speculation off), found by the seed's mark rather than its place; on a CPU the defaults stay first."""
+    from types import SimpleNamespace
+
+    from autotune import validate
+
+    p = plan.build(plan.RunOptions(gpu="h200-sxm", study="order", **{**SMALL, "concurrency": 4}))
+    study = optuna.create_study(direction="maximize")
+    loop.enqueue(p, study, p.space.seed_configs())
+    queued = study.get_trials(deepcopy=False)
+    defaults = p.space.defaults()
+    marked = [i for i, t in enumerate(queued) if t.user_attrs.get("defaults_seed")]
+    assert marked == [3] and queued[3].user_attrs["seed_config"] == defaults
+    assert all(t.user_attrs["seed_config"]["compile"] == "inductor" for t in queued[:3])
+    config, trial = validate.baseline_config(SimpleNamespace(study=study, adapter=p.adapter))
+    assert config == {**defaults, **p.adapter.speculation_off} and trial is None  # queued, not yet measured
+    cpu = plan.build(plan.RunOptions(gpu="cpu", study="order-cpu", **SMALL))
+    assert cpu.space.seed_configs()[0] == cpu.space.defaults()
 
 
 @pytest.mark.slow

@@ -128,8 +128,10 @@ def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=
 
 def enqueue(p: Plan, study: optuna.Study, seeds: list[dict]) -> None:
     """Queue the seeds, then the best predicted configurations the seeds leave out."""
-    for config in seeds:
-        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config})
+    defaults = p.space.defaults()
+    for config in seeds:  # the defaults seed is marked: validation's baseline, wherever it stands in the queue
+        marks = {"defaults_seed": True} if config == defaults else {}
+        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, **marks})
     for config, prediction in predicted_configs(p, study):
         study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
 
