@@ -23,15 +23,20 @@ the same machine and drafter is replaced).
    DIR/estimator.json, DIR/estimator-eval/eval.json. The collection traces every proposal, so for model
    drafters (and n-gram, from the target's signals) the fit includes the runtime stop rule (stop.py).
 3. --combine: pool several such runs (e.g. the same estimator, another --rotation) into one comparison.
+4. --no-eval: the fit only (a setting chosen on collection data, never on the held-out set); prints and writes
+   DIR/selection.json: the fitted estimator / the best fixed k (k = 0 included) replayed on the collection's
+   own steps at the largest k under the measured step costs (in-sample), the AUC and the draft pass cost.
 """
 import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
 from autotune import estimator as est
+from autotune.estimator import stop
 
 
 def ints(text: str) -> list[int]:
@@ -45,6 +50,8 @@ def main():
     for drafter in args.drafter.split(","):
         out = Path(args.out) / drafter if "," in args.drafter else Path(args.out)
         doc = run(args, drafter, out)
+        if not args.evaluate:
+            continue
         show(doc)
         if args.summary:
             add_row(Path(args.summary), summary_row(doc, args.machine or machine(), drafter))
@@ -72,6 +79,8 @@ def parse():
     parser.add_argument("--early-exit-layers", type=int, help="L of the early_exit drafter (default: the engine's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another engine setting for every server, e.g. --set step_shape=fixed (repeatable)")
+    parser.add_argument("--no-eval", dest="evaluate", action="store_false",
+                        help="collect and fit only; print the modelled ratio (selection.json), no held-out run")
     parser.add_argument("--summary", help="summary.json to put each drafter's row in")
     parser.add_argument("--machine", help="the summary rows' machine (default: the CUDA device's name, else 'cpu')")
     return parser.parse_args()
@@ -105,9 +114,53 @@ def run(args, drafter: str, out: Path) -> dict:
             print(f"stop rule: {rule['signal']} above {rule['thresholds']} per temperature band, caps {rule['caps']}, "
                   f"replayed speedup {rule['expected_speedup']}, AUC {rule['auc']} on {rule['tokens']} tokens; "
                   f"costs {json.dumps(fitted.info['width_costs'])}")
+        if not args.evaluate:
+            selection = modelled_ratio(path, rows)
+            (out / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
+            print("selection (collection data, in-sample):", json.dumps(selection))
+            return selection
     return est.evaluate(path, out / "estimator-eval", fixed=ints(args.fixed), repeats=args.repeats,
                         max_tokens=args.max_tokens, limit=args.limit, engine=engine, reference=args.reference,
                         rotation=args.rotation)
+
+
+def modelled_ratio(path: Path, rows: pd.DataFrame) -> dict:
+    """The fitted estimator (per-request cap and stop threshold) against every fixed k, k = 0 included,
+    replayed (stop.replay) on the traced steps of the collection's runs at its largest k, which every cap
+    can replay, under the collection's measured step costs: tokens per plain-step time."""
+    from autotune.embedded.draft_policy import load_estimator
+
+    estimator, costs = load_estimator(str(path)), stop.width_costs(rows)
+    widest = rows[rows["k"] == rows["k"].max()].reset_index(drop=True)
+    risk, proposed, accepted, request = stop.step_arrays(widest, estimator.signal, int(widest["k"].max()))
+
+    def speed(policy) -> float:  # policy(row) -> (threshold, cap)
+        tokens = cost = 0.0
+        for i, row in enumerate(widest.itertuples()):
+            threshold, cap = policy(row)
+            mine = request == i
+            t, c = stop.replay(risk[mine], proposed[mine], accepted[mine], threshold, cap, costs)
+            tokens, cost = tokens + t, cost + c
+        return tokens / cost
+
+    def fitted(row):
+        features = dict(prompt_entropy=row.prompt_entropy or 0.0, prompt_tokens=row.prompt_tokens,
+                        prompt_chars=len(row.text), temperature=row.temperature, top_p=row.top_p,
+                        prompt_text=row.text)
+        cap = estimator(features)
+        threshold = estimator.stop_above(features) if estimator.stop_above and cap else None
+        return (np.inf if threshold is None else threshold), cap
+
+    fixed = {f"k={k}": speed(lambda row, k=k: (np.inf, k)) for k in range(int(widest["k"].max()) + 1)}
+    best = max(fixed, key=fixed.get)
+    mine = speed(fitted)
+    doc = json.loads(path.read_text())
+    rule = doc.get("stop_rule", {})
+    return {"modelled_ratio": round(mine / fixed[best], 4), "best_fixed": best,
+            "modelled_speed": {"estimator": round(mine, 4), **{a: round(v, 4) for a, v in fixed.items()}},
+            "steps": len(risk), "requests": len(widest), "draft_pass": costs["draft"], "verify": costs["verify"],
+            "auc": rule.get("auc"), "signal": rule.get("signal"), "thresholds": rule.get("thresholds"),
+            "replayed_speedup_per_band": rule.get("expected_speedup")}
 
 
 def machine() -> str:
