@@ -216,10 +216,9 @@ def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[
                 rec["greedy"] = greedy_outputs(server.base_url, prompts, quality_tokens) if prompts else []
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        alive = True
         for repeat in range(repeats):
             for rec in (recs if repeat % 2 == 0 else recs[::-1]):
-                if rec.get("failure"):
-                    continue
                 use(server, rec)
                 r = len(rec["runs"])
                 summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
@@ -230,11 +229,12 @@ def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[
                 rec["request_files"].append(str(path))
                 rec["runs"].append(summary)
                 tick()
-                if not server.alive():
+                alive = server.alive()
+                if not alive:
                     for failed in recs:
                         failed["failure"] = f"server exited during repeat {r} (see {log})"
                     break
-            if not server.alive():
+            if not alive:
                 break
     finally:
         server.stop()

@@ -37,6 +37,7 @@ import yaml
 
 from autotune import estimator as est
 from autotune.estimator import stop
+from autotune.estimator.evaluate import row_features
 
 
 def ints(text: str) -> list[int]:
@@ -144,9 +145,7 @@ def modelled_ratio(path: Path, rows: pd.DataFrame) -> dict:
         return tokens / cost
 
     def fitted(row):
-        features = dict(prompt_entropy=row.prompt_entropy or 0.0, prompt_tokens=row.prompt_tokens,
-                        prompt_chars=len(row.text), temperature=row.temperature, top_p=row.top_p,
-                        prompt_text=row.text)
+        features = row_features(row)
         cap = estimator(features)
         threshold = estimator.stop_above(features) if estimator.stop_above and cap else None
         return (np.inf if threshold is None else threshold), cap

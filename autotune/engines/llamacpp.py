@@ -119,8 +119,7 @@ class LlamaCppAdapter(EngineAdapter):
         asked = [param.fixed] if param.pinned else param.choices if param.narrowed else []
         missing = [t for t in asked if t not in files]
         if missing:
-            raise ValueError(f"gguf_type {', '.join(missing)}: no GGUF file of that type in {model} (its files are "
-                             f"{', '.join(files)})")
+            raise no_file_of(missing, model, files)
         if param.pinned:
             return space
         offered = asked or sorted(files, key=bytes_per_weight().get)
@@ -240,9 +239,14 @@ def model_file(model: str, gguf_type: str | None) -> str:
     if path.is_dir():
         files = gguf_files(model)
         if gguf_type not in files:
-            raise ValueError(f"gguf_type {gguf_type}: no GGUF file of that type in {model} (its files are "
-                             f"{', '.join(files) or 'none'})")
+            raise no_file_of([gguf_type], model, files)
         return str(files[gguf_type])
     if path.exists() or path.suffix == ".gguf":
         return model
     return f"{model}-{gguf_type}.gguf" if gguf_type else f"{model}.gguf"
+
+
+def no_file_of(types: list, model: str, files: dict) -> ValueError:
+    """The one-line error for gguf_type values no GGUF file of `model` (a directory) has."""
+    return ValueError(f"gguf_type {', '.join(map(str, types))}: no GGUF file of that type in {model} (its files are "
+                      f"{', '.join(files) or 'none'})")

@@ -70,13 +70,17 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
     return report
 
 
+def row_features(row) -> dict:
+    """The features the engine gives the estimator for a request, from its recorded row (itertuples)."""
+    return {"prompt_entropy": row.prompt_entropy or 0.0, "prompt_text": row.text, "prompt_tokens": row.prompt_tokens,
+            "prompt_chars": len(row.text), "temperature": row.temperature, "top_p": getattr(row, "top_p", 1.0)}
+
+
 def request_cells(frame: pd.DataFrame, doc: dict, estimate) -> dict[int, tuple[int, int, int]]:
     """request -> (temperature band, feature bucket, the estimator's k), from its estimator-arm row."""
     cells = {}
     for row in frame[frame["arm"] == "estimator"].drop_duplicates("request").itertuples():
-        features = {"prompt_entropy": row.prompt_entropy or 0.0, "prompt_text": row.text,
-                    "prompt_tokens": row.prompt_tokens, "prompt_chars": len(row.text),
-                    "temperature": row.temperature, "top_p": getattr(row, "top_p", 1.0)}
+        features = row_features(row)
         value = features[doc["feature"]] if doc["feature"] in features else TEXT_FEATURES[doc["feature"]](row.text)
         cells[row.request] = (int(np.searchsorted(doc["temperature_edges"], row.temperature, side="left")),
                               int(np.searchsorted(doc["thresholds"], value, side="right")), estimate(features))

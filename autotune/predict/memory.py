@@ -96,13 +96,10 @@ def weights_bytes(model: ModelSpec, k: Knobs, on_gpu: bool = True) -> float:
 
 
 def weights_read_bytes(model: ModelSpec, k: Knobs) -> float:
-    """Weight bytes one forward pass reads per GPU: all of them, but of an embedding on the host one row per
-    token (llama.cpp's GET_ROWS on the CPU), nothing beside the head's table (which a pass reads whole,
-    tied or not)."""
-    linear, embedding, head = _weight_parts(model, k)
-    if k.embedding_on_host:
-        return (linear + (head or embedding)) / k.tp
-    return (linear + embedding + head) / k.tp
+    """Weight bytes one forward pass reads per GPU: what a GPU holds (weights_bytes), on any device, since
+    of an embedding on the host a pass reads one row per token (llama.cpp's GET_ROWS on the CPU), nothing
+    beside the head's table (which it reads whole, tied or not)."""
+    return weights_bytes(model, k, on_gpu=True)
 
 
 def _weight_parts(model: ModelSpec, k: Knobs) -> tuple[float, float, float]:
