@@ -12,7 +12,9 @@ when step.trace) are what the stop rule reads (generate.py), for the estimator's
 - early_exit: the target's first L layers + its final norm and head. It writes those layers' KV
   into the target's own cache; verification rewrites the same positions, so nothing is duplicated.
 - draft_model / quantized_self: a second model (another checkpoint, or an int8 copy of the target)
-  with its own cache, fed the prompt during prefill.
+  with its own cache, fed the prompt during prefill. A distilled draft's head scores a subset of the
+  vocabulary only (FR-Spec, arXiv 2502.14856): its proposals are mapped to full ids and its law is zero
+  outside the subset, which rejection sampling needs no more than any other draft law to stay exact.
 """
 import numpy as np
 import torch
@@ -79,10 +81,14 @@ class ModelDrafter(NoDrafter):
     target's own first layers and its cache is the target's, which already holds every token but
     the newest. Otherwise its cache may also lack the token before (the last proposal of a fully
     accepted step), so the first pass re-feeds it (an idempotent rewrite when it was there).
+    vocab_subset [N]: the full token id of each of the draft head's N rows (None: the head is the whole
+    vocabulary); vocab_size: the target's, the width of the laws handed to verification.
     """
 
-    def __init__(self, forward, shares_target_cache: bool, prefill_forward=None):
+    def __init__(self, forward, shares_target_cache: bool, prefill_forward=None, vocab_subset=None,
+                 vocab_size: int | None = None):
         self.forward, self.shares_target_cache, self.prefill_forward = forward, shares_target_cache, prefill_forward
+        self.vocab_subset, self.vocab_size = vocab_subset, vocab_size
 
     def prefill(self, input_ids, input_pos, row, kv_len):
         if not self.shares_target_cache:
@@ -116,9 +122,11 @@ class ModelDrafter(NoDrafter):
                 law = torch.softmax(logits.float() / temperature, dim=-1)
                 token = draw(law, exponential_noise(law.shape[-1:], sampling.generators, device))
                 token = torch.where(sampling.greedy, logits.argmax(-1), token)
-                laws.append(law)
+                laws.append(law if self.vocab_subset is None else self._full_law(law))
             else:
                 token = logits.argmax(-1)
+            if self.vocab_subset is not None:
+                token = self.vocab_subset[token]
             drafts.append(token)
             if stop_above is not None and not (proposed > j + 1).any():  # no row needs another draft pass
                 break
@@ -129,3 +137,8 @@ class ModelDrafter(NoDrafter):
             return _empty(step)
         return (torch.stack(drafts, 1)[:, :width], torch.stack(laws, 1)[:, :width] if laws else None, proposed,
                 torch.stack(signals, 1)[:, :width] if step.trace else None)
+
+    def _full_law(self, law):
+        """[B, N] law over the head's subset -> [B, vocab_size], zero outside the subset."""
+        full = torch.zeros((law.shape[0], self.vocab_size), dtype=law.dtype, device=law.device)
+        return full.index_copy_(1, self.vocab_subset, law)

@@ -9,6 +9,7 @@ import collections
 import itertools
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -66,10 +67,26 @@ class Sequence:
         return self.prefilled >= self.prompt_len - 1
 
 
+def _step_attention(choice: str, device: torch.device):
+    """(kernel, max_width) of the Triton step attention if `choice` takes it here, else None."""
+    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
+        return None
+    # Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: how the tests check it without a GPU.
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("step_attention triton needs a CUDA device")
+    try:
+        from autotune.embedded.kernels import step_attention
+    except ImportError as e:
+        if choice == "auto":
+            return None
+        raise ValueError(f"step_attention triton needs Triton installed ({e})") from None
+    return step_attention.step_attention_op, step_attention.max_width
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         from autotune.embedded.weights import DTYPES as TORCH_DTYPES
-        from autotune.embedded.weights import check_draft_compatible, load_model
+        from autotune.embedded.weights import load_draft_model, load_model
 
         self.config = config
         _validate(config)
@@ -92,7 +109,11 @@ class Engine:
         fixed = config.step_shape == "fixed"
         scratch = slots if graphs or fixed else None  # one more cache slot, for the padding rows of a step
 
+        step_attention = _step_attention(config.step_attention, self.device)
+
         def runner(model, args, fixed_shape=False):
+            if step_attention:
+                model.use_step_attention(*step_attention)
             cache = KVCache(args, slots + (scratch is not None), cache_len, dtype, self.device)
             return ModelRunner(model, cache, config.compile, graphs, scratch_slot=scratch, fixed_shape=fixed_shape)
 
@@ -110,14 +131,17 @@ class Engine:
             if config.drafter == "draft_model":
                 if not config.draft_model:
                     raise ValueError("drafter draft_model needs a draft checkpoint (--draft-model PATH)")
-                draft = load_model(config.draft_model, config.dtype, str(self.device), config.max_seq_len + headroom)
-                check_draft_compatible(target, draft)
-                draft_model, draft_args = draft.model, draft.args
+                draft = load_draft_model(config.draft_model, target, config.dtype, str(self.device),
+                                         config.max_seq_len + headroom)
+                if config.quantization == "gguf" and draft.gguf_blocks:  # a Q8_0 draft runs on the C kernel too
+                    quantize_gguf(draft.model, draft.gguf_blocks, self.device, TORCH_DTYPES[config.dtype])
+                draft_model, draft_args, vocab_subset = draft.model, draft.args, draft.vocab_subset
             else:
                 from autotune.embedded.quantize import quantize_int8
-                draft_model, draft_args = quantize_int8(target.model, copy=True), target.args
+                draft_model, draft_args, vocab_subset = quantize_int8(target.model, copy=True), target.args, None
             draft_runner = runner(draft_model, draft_args)
-            self.drafter = ModelDrafter(draft_runner, shares_target_cache=False, prefill_forward=draft_runner)
+            self.drafter = ModelDrafter(draft_runner, shares_target_cache=False, prefill_forward=draft_runner,
+                                        vocab_subset=vocab_subset, vocab_size=self.vocab_size)
             warm_ups.append((draft_runner, (1, 2), (None,)))  # a draft pass feeds 1 token, or 2 after a full accept
         else:
             self.drafter = NoDrafter()

@@ -2,6 +2,10 @@
 
 GGUF tensors are dequantised with the `gguf` package; llama.cpp's names are mapped to ours and its
 Q/K row permutation (llama architecture only) is undone, as transformers' GGUF loader does.
+
+A distilled draft (scripts/distill_draft_model.py) is a GGUF without token embedding or tokenizer: it
+borrows both from its target, and its head has rows for a subset of the vocabulary only (FR-Spec,
+arXiv 2502.14856), whose full-vocabulary ids it lists in its metadata (DRAFT_SUBSET_KEY).
 """
 import hashlib
 import json
@@ -16,13 +20,15 @@ import torch
 from torch import nn
 
 from autotune.embedded.bundled import bundled_gguf_path
-from autotune.embedded.model import ModelArgs, Transformer, rope_tables
+from autotune.embedded.model import Linear, ModelArgs, Transformer, rope_tables
 from autotune.embedded.quantize import GGML_BLOCKS
 from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 BUNDLED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ARCHITECTURES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFT_SUBSET_KEY = "autotune.draft.vocab_subset"  # a distilled draft's head rows, as full-vocabulary token ids
+DRAFT_VOCAB_KEY = "autotune.draft.target_vocab_fingerprint"  # Tokenizer.vocab_fingerprint() of the target it borrows from
 
 GGUF_NAMES = {
     "token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
@@ -51,6 +57,7 @@ class LoadedModel:
     name: str  # what /v1/models lists
     sha256: str | None  # of the GGUF file; None for a safetensors directory
     gguf_blocks: dict | None = None  # name -> (ggml type, uint8 rows) of a GGUF's natively runnable tensors
+    vocab_subset: torch.Tensor | None = None  # a reduced-vocabulary draft: the full token id of each head row
 
 
 def file_sha256(path: Path) -> str:
@@ -91,6 +98,30 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
     return LoadedModel(model, args, tokenizer, str(file), name, sha256, blocks)
 
 
+def load_draft_model(path: str, target: LoadedModel, dtype: str = "float32", device: str = "cpu",
+                     max_seq_len: int | None = None) -> LoadedModel:
+    """The draft checkpoint for target: a distilled reduced-vocabulary draft borrows the target's input embedding
+    (the same tensor, not a copy) and tokenizer; any other checkpoint must number tokens as the target does."""
+    file = Path(path).expanduser()
+    reader = _gguf_reader(file) if file.is_file() and file.suffix == ".gguf" else None
+    if reader is None or DRAFT_SUBSET_KEY not in reader.fields:
+        draft = load_model(path, dtype, device, max_seq_len)
+        check_draft_compatible(target, draft)
+        return draft
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    if meta.get(DRAFT_VOCAB_KEY) != target.tokenizer.vocab_fingerprint():
+        raise ValueError(f"draft model {file.name} was distilled from a model with another vocabulary than {target.name}")
+    args, state, blocks = read_gguf_tensors(file, reader, meta, max_seq_len)
+    subset = torch.tensor(meta[DRAFT_SUBSET_KEY], dtype=torch.long)
+    if (args.vocab_size != target.args.vocab_size or len(subset) != state["output.weight"].shape[0]
+            or len(subset.unique()) != len(subset) or not 0 <= int(subset.min()) <= int(subset.max()) < args.vocab_size):
+        raise ValueError(f"{file}: its vocabulary subset does not name one distinct token id per head row")
+    state["tok_embeddings.weight"] = target.model.tok_embeddings.weight
+    model = build_model(args, state, DTYPES[dtype], torch.device(device))
+    return LoadedModel(model, args, target.tokenizer, str(file), file.stem, file_sha256(file), blocks,
+                       subset.to(device))
+
+
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft model must number tokens exactly as the target does, or its proposals mean nothing."""
     t, d = target.tokenizer, draft.tokenizer
@@ -102,6 +133,9 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 def build_model(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
     with _skip_init():
         model = Transformer(args)
+        head_rows = state["output.weight"].shape[0] if "output.weight" in state else args.vocab_size
+        if head_rows != args.vocab_size:  # a reduced-vocabulary draft head
+            model.output = Linear(args.dim, head_rows, bias=False)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     # Non-strict so both problems are reported in one line; the model fuses q/k/v and gate/up on load.
@@ -132,14 +166,28 @@ def _skip_init():
 def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tokenizer, dict]:
     """The model's args, float32 state, tokenizer, and the raw block rows (numpy uint8 [out, bytes], views
     of the mapped file) of each 2-D tensor in a block format quantize.GGUFLinear runs natively."""
+    reader = _gguf_reader(file)
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    if DRAFT_SUBSET_KEY in meta:
+        raise ValueError(f"{file} is a distilled draft model (it borrows its target's embedding and tokenizer): "
+                         "serve it with --drafter draft_model --draft-model")
+    args, state, blocks = read_gguf_tensors(file, reader, meta, max_seq_len)
+    return args, state, tokenizer_from_gguf(meta), blocks
+
+
+def _gguf_reader(file: Path):
     import gguf
-    from gguf.quants import dequantize
 
     try:
-        reader = gguf.GGUFReader(file)
+        return gguf.GGUFReader(file)
     except (ValueError, IndexError, struct.error) as e:  # what the gguf package raises on junk
         raise ValueError(f"{file} is not a readable GGUF file ({e})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items()}
+
+
+def read_gguf_tensors(file: Path, reader, meta: dict, max_seq_len: int | None) -> tuple[ModelArgs, dict, dict]:
+    """args, float32 state and native block rows of an opened GGUF (see read_gguf)."""
+    from gguf.quants import dequantize
+
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{file}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -177,7 +225,7 @@ def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tok
         state[_gguf_name(file, t.name)] = tensor
         if raw is not None:
             blocks[_gguf_name(file, t.name)] = (int(t.tensor_type), raw)
-    return args, state, tokenizer_from_gguf(meta), blocks
+    return args, state, blocks
 
 
 def _gguf_name(file: Path, name: str) -> str:
