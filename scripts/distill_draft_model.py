@@ -1,12 +1,13 @@
 """Distil a small draft model from the embedded engine's target (SmolLM2-135M) for `--drafter draft_model`.
 
     python3 scripts/distill_draft_model.py --out DIR [--device cuda] [--layers 2] [--vocab 8192]
-        [--samples 16] [--new-tokens 256] [--train-seconds 150] [--limit-prompts N]
+        [--samples 32] [--new-tokens 128] [--train-seconds 120] [--limit-prompts N]
 
 1. Data: the target generates --new-tokens per sample (sample 0 of a prompt greedy, the others at
-   temperatures spread evenly over (0, 1]; past EOS, as the estimator's requests do) from the shipped workloads' prompts minus the estimator's held-out `mixed`
-   set (the rule of autotune.estimator.live.requests_of, which its collection pass uses); every
-   VALIDATION_EVERY-th prompt is held out of training, for the agreement numbers.
+   temperatures spread evenly over (0, 1]; past EOS, as the estimator's requests do) from the shipped
+   workloads' prompts minus the estimator's held-out `mixed` set (the rule of
+   autotune.estimator.live.requests_of, which its collection pass uses); every VALIDATION_EVERY-th
+   prompt is held out of training, for the agreement numbers.
 2. Model: a llama decoder of the target's width with --layers layers, initialised from the target's first
    layers and final norm; its head scores only the --vocab tokens most frequent in the generated text of
    the training prompts (FR-Spec, arXiv 2502.14856: a smaller draft head for a cheaper draft pass),
@@ -109,13 +110,15 @@ def parse():
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample")
     parser.add_argument("--gen-batch", type=int, default=256, help="sequences generated together")
     parser.add_argument("--batch", type=int, default=32, help="sequences per training step")
-    parser.add_argument("--train-seconds", type=float, default=150.0)
+    parser.add_argument("--train-seconds", type=float, default=120.0)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--limit-prompts", type=int, help="only the first N prompts (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if not 1 <= args.layers <= 30 or args.vocab < 2 or args.samples < 1 or args.new_tokens < 2 or args.train_seconds <= 0:
-        parser.error("--layers must be in 1..30, --vocab >= 2, --samples >= 1, --new-tokens >= 2, --train-seconds > 0")
+    if (not 1 <= args.layers <= 30 or args.vocab < 2 or args.samples < 1 or args.new_tokens < 2
+            or args.train_seconds <= 0 or (args.limit_prompts is not None and args.limit_prompts < 2)):
+        parser.error("need --layers in 1..30, --vocab >= 2, --samples >= 1, --new-tokens >= 2, --train-seconds > 0, "
+                     "--limit-prompts >= 2 (one is held out)")
     return args
 
 
