@@ -55,6 +55,8 @@ def serve(
     step_shape: str = typer.Option(_SERVE_DEFAULTS.step_shape, help=" | ".join(_engine_config.STEP_SHAPES)
                                    + " (fixed: one padded shape per step, for greedy output independent of k "
                                    "and concurrency on CUDA; unverified on a GPU yet)"),
+    step_attention: str = typer.Option(_SERVE_DEFAULTS.step_attention, help=" | ".join(_engine_config.STEP_ATTENTIONS)
+                                       + " (triton: the split-cache step kernel, CUDA; auto: triton where it runs)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's)"),
     device: str = typer.Option(_SERVE_DEFAULTS.device, help="auto | cpu | cuda | cuda:N"),
     max_seq_len: int = typer.Option(_SERVE_DEFAULTS.max_seq_len, help="context length (KV cache per slot)"),

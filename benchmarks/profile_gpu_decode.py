@@ -7,7 +7,8 @@ fixed-shape runner (--step-shape fixed). Each (batch, width) step is timed as th
 forward (or graph replay) + argmax + one host sync. Per forward without graphs: kernel count, GPU
 time, and the host gap (step wall time - GPU busy time). Random weights: speed does not depend on values.
 
-    python3 benchmarks/profile_gpu_decode.py [--steps 50] [--runners eager,eager+graphs] [--out profile.json]
+    python3 benchmarks/profile_gpu_decode.py [--steps 50] [--runners eager,eager+graphs] [--step-attention triton]
+        [--out profile.json]
 
 Cold (a fresh machine, empty inductor cache) the two compiled runners need several minutes: the
 compile of each specialisation (batch 1 or more x width 1 or more) took 8-85 s on the H200 host
@@ -85,11 +86,16 @@ def main():
     parser.add_argument("--runners", default="inductor+graphs,inductor+graphs fixed,eager+graphs,eager,inductor",
                         help="comma-separated, from: inductor+graphs, inductor+graphs fixed, eager+graphs, eager, "
                              "inductor (the kernel table of the compiled forward without graphs)")
+    parser.add_argument("--step-attention", choices=("sdpa", "triton"), default="sdpa",
+                        help="the steps' attention: SDPA with the position mask, or kernels/step_attention.py")
     args = parser.parse_args()
     chosen = args.runners.split(",")
     model = random_model()
+    if args.step_attention == "triton":
+        from autotune.embedded.kernels import step_attention
+        model.use_step_attention(step_attention.step_attention_op, step_attention.max_width)
     cache = lambda: KVCache(SMOLLM2_135M, SLOTS + 1, SMOLLM2_135M.max_seq_len, torch.bfloat16, "cuda")
-    report = {"shapes": SHAPES, "steps": args.steps, "device": torch.cuda.get_device_name(),
+    report = {"shapes": SHAPES, "steps": args.steps, "step_attention": args.step_attention, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "step_ms": {}, "warm_up_s": {}, "kernels": {}}
     runners = {"inductor+graphs": ModelRunner(model, cache(), "inductor", GRAPH_SIZES, scratch_slot=SLOTS),
                "inductor+graphs fixed": ModelRunner(model, cache(), "inductor", GRAPH_SIZES, scratch_slot=SLOTS,

@@ -109,3 +109,15 @@ def start_embedded_server():
     for server in servers:
         server.stop()
         os.unlink(server.log_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer model with the bundled tokenizer: compiling it takes seconds, not minutes."""
+    from test_embedded_model import write_tiny_checkpoint
+
+    from autotune.embedded.weights import load_model
+
+    directory = tmp_path_factory.mktemp("tiny")
+    write_tiny_checkpoint(directory, "llama", load_model().tokenizer)
+    return str(directory)

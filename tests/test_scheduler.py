@@ -11,7 +11,6 @@ from autotune.embedded.config import MAX_DRAFT_LENGTH, EngineConfig, GenerationR
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
 from autotune.embedded.runner import MAX_GRAPH_WIDTH, WIDTH_BUCKETS, bucket
 from autotune.embedded.scheduler import Engine
-from autotune.embedded.weights import load_model
 
 CODE_PROMPT = ("def area(width, height):\n    return width * height\n\n"
                "# Same function, with type hints:\ndef area(")
@@ -150,16 +149,6 @@ def test_step_shapes_map_onto_buckets():
         1, 2, 3, 5, 5, 9, 9, MAX_GRAPH_WIDTH, MAX_GRAPH_WIDTH]
     assert [bucket(b, [1, 2, 4, 8]) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert WIDTH_BUCKETS[-1] == MAX_DRAFT_LENGTH + 1  # the longest verify step has a bucket
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer model with the bundled tokenizer: compiling it takes seconds, not minutes."""
-    from test_embedded_model import write_tiny_checkpoint
-
-    directory = tmp_path_factory.mktemp("tiny")
-    write_tiny_checkpoint(directory, "llama", load_model().tokenizer)
-    return str(directory)
 
 
 def mixed_load(engine, **params) -> list[list[int]]:

@@ -10,11 +10,15 @@ COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
 # make greedy output on CUDA independent of the draft length and the concurrency; bucketed: faster.
 # Not yet verified on a GPU (benchmarks/results/h200-2026-12-01b); a wide step costs ~2.5x a plain one there.
 STEP_SHAPES = ("bucketed", "fixed")
+# Attention of decode/verify steps: triton is kernels/step_attention.py (CUDA, split over the cache); auto takes it
+# on CUDA when Triton is installed, else sdpa (PyTorch's scaled_dot_product_attention with the position mask).
+STEP_ATTENTIONS = ("auto", "sdpa", "triton")
 MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
 RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
 CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
-           "compile": COMPILE_BACKENDS, "step_shape": STEP_SHAPES}
+           "compile": COMPILE_BACKENDS, "step_shape": STEP_SHAPES,
+           "step_attention": STEP_ATTENTIONS}
 
 
 @dataclass
@@ -37,6 +41,7 @@ class EngineConfig:
     compile: str = "none"
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
     step_shape: str = "bucketed"  # fixed: one padded shape for every step (runner.py), for exact greedy on CUDA
+    step_attention: str = "auto"
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_seq_len: int = 2048  # KV cache length per slot

@@ -44,16 +44,24 @@ class KVCache:
         self.max_len = max_len
         self.device = self.k[0].device
 
+    def slots_of(self, rows: Tensor | None, batch: int) -> Tensor:
+        """The cache slots of a batch's rows: `rows`, or slots 0..B-1 when None."""
+        return torch.arange(batch, device=self.device) if rows is None else rows
+
+    def write(self, layer: int, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor):
+        """Write k, v ([B, T, Hkv, D]) at input_pos ([B, T]) of the rows' slots."""
+        slot_index = self.slots_of(rows, input_pos.shape[0])[:, None]
+        self.k[layer][slot_index, :, input_pos] = k
+        self.v[layer][slot_index, :, input_pos] = v
+
     def update(self, layer: int, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int):
         """Write k, v ([B, T, Hkv, D]) at input_pos ([B, T]) and return the first kv_len positions.
 
         `rows` names the cache slots of the batch rows; None means slots 0..B-1 (a view, no copy).
         """
+        self.write(layer, rows, input_pos, k, v)
         k_cache, v_cache = self.k[layer], self.v[layer]
         batch = input_pos.shape[0]
-        slot_index = (torch.arange(batch, device=input_pos.device) if rows is None else rows)[:, None]
-        k_cache[slot_index, :, input_pos] = k
-        v_cache[slot_index, :, input_pos] = v
         if rows is None:
             return k_cache[:batch, :, :kv_len], v_cache[:batch, :, :kv_len]
         return k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
@@ -71,12 +79,21 @@ def fuse_on_load(parts: tuple[str, ...], fused: str):
     return hook
 
 
+ROW_DOT_MAX_OUT = 4096  # widest layer a one-row CUDA step computes as dot products (the head stays a GEMM)
+
+
 class Linear(nn.Linear):
     """nn.Linear, but 2-4 float32 rows on a CPU (a speculative verify) run as W @ x.T: PyTorch's CPU GEMM
-    packs W for x @ W.T, so 2 rows cost ~2x one row; W @ x.T streams W once (0.4-0.7x, head to MLP)."""
+    packs W for x @ W.T, so 2 rows cost ~2x one row; W @ x.T streams W once (0.4-0.7x, head to MLP).
+    One row on CUDA under torch.compile runs as dot products, which inductor writes as one Triton reduction:
+    2.0-2.3 us against cuBLAS's 3.4-5.1 us for SmolLM2's q/k/v, output and down layers on the H200, slower
+    for the 49152-wide head (benchmarks/gpu_step_parts.py)."""
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
+        if rows == 1 and x.is_cuda and self.out_features <= ROW_DOT_MAX_OUT and torch.compiler.is_compiling():
+            y = (x[..., None, :].float() * self.weight.float()).sum(-1).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if not (x.device.type == "cpu" and x.dtype == torch.float32 and 2 <= rows <= 4):
             return F.linear(x, self.weight, self.bias)
         y = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
@@ -119,6 +136,9 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.dim, sum(self.split), bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self._register_load_state_dict_pre_hook(fuse_on_load(("wq", "wk", "wv"), "wqkv"))
+        # step_attention(q, k_cache, v_cache, slots, pos, kv_len) -> [B, T, H, D]: a kernel for the few queries
+        # of a decode/verify step against the cache (kernels/step_attention.py), for steps up to step_max_width.
+        self.step_attention, self.step_max_width = None, 0
 
     def forward(self, x, cos, sin, mask, cache: KVCache, rows, input_pos, kv_len):
         bsz, seqlen, _ = x.shape
@@ -127,6 +147,11 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if seqlen <= self.step_max_width:
+            cache.write(self.layer, rows, input_pos, k, v)
+            out = self.step_attention(q, cache.k[self.layer], cache.v[self.layer], cache.slots_of(rows, bsz), input_pos,
+                                      kv_len)
+            return self.wo(out.reshape(bsz, seqlen, -1))
         keys, values = cache.update(self.layer, rows, input_pos, k, v, kv_len)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
@@ -172,6 +197,14 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def use_step_attention(self, kernel, max_width):
+        """Run the attention of steps up to max_width(n_heads, n_kv_heads, head_dim) wide with
+        kernel(q, k_cache, v_cache, slots, pos, kv_len); kernel None: SDPA everywhere."""
+        for layer in self.layers:
+            a = layer.attention
+            a.step_attention = kernel
+            a.step_max_width = max_width(a.n_heads, a.n_kv_heads, a.head_dim) if kernel is not None else 0
 
     def forward(
         self,

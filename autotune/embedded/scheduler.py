@@ -110,6 +110,8 @@ class Engine:
         scratch = slots if graphs or fixed else None  # one more cache slot, for the padding rows of a step
 
         step_attention = _step_attention(config.step_attention, self.device)
+        if step_attention:
+            log.info("step attention: triton (kernels/step_attention.py)")
 
         def runner(model, args, fixed_shape=False):
             if step_attention:
