@@ -9,8 +9,9 @@ the graph's, as in the engine), for the SmolLM2-135M shapes, and the candidate r
   inductor compiles into one Triton reduction kernel (each output a dot product over the input
   width, the weight read from L2 once per row: a few rows is what a decode or verify step has), and
   against inductor's max-autotune (Triton GEMM templates compete with cuBLAS) for a few shapes;
-- attention: SDPA with the bool mask and enable_gqa (today), SDPA with the query heads grouped under
-  their KV head (no KV repeat, a mask per group), and the explicit matmul-softmax-matmul form.
+- attention: SDPA with the bool mask and enable_gqa (the engine's --step-attention sdpa), SDPA with the
+  query heads grouped under their KV head (no KV repeat, a mask per group), the explicit
+  matmul-softmax-matmul form, and the engine's Triton step kernel (kernels/step_attention.py).
 
     python3 benchmarks/gpu_step_parts.py [--out parts.json]
 """
@@ -77,6 +78,15 @@ def explicit(q, k, v, mask):
     return (scores.softmax(-1).to(q.dtype) @ v).reshape(b, h, t, d)
 
 
+def triton_step(q, k, v, mask):
+    """The engine's kernel on the same inputs (q as [B, T, H, D]; positions recovered from the mask)."""
+    from autotune.embedded.kernels.step_attention import step_attention_op
+
+    pos = mask[:, 0].sum(-1) - 1
+    slots = torch.arange(q.shape[0], device=q.device)
+    return step_attention_op(q.transpose(1, 2), k, v, slots, pos, k.shape[2]).transpose(1, 2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
@@ -88,7 +98,7 @@ def main():
     linear_tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
     rowdot_inductor = torch.compile(rowdot, dynamic=False)
     attention = {"sdpa_gqa": sdpa_gqa, "sdpa_grouped": sdpa_grouped, "explicit": explicit,
-                 "explicit_inductor": torch.compile(explicit, dynamic=False)}
+                 "explicit_inductor": torch.compile(explicit, dynamic=False), "triton_step": triton_step}
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeat": REPEAT, "us": {}}
     for batch, width in SHAPES:
         rows = {}
