@@ -13,7 +13,7 @@ the graph's, as in the engine), for the SmolLM2-135M shapes, and the candidate r
   query heads grouped under their KV head (no KV repeat, a mask per group), the explicit
   matmul-softmax-matmul form, and the engine's Triton step kernel (kernels/step_attention.py).
 
-    python3 benchmarks/gpu_step_parts.py [--out parts.json]
+    python3 benchmarks/gpu_step_parts.py [--no-autotune] [--out parts.json]
 """
 import argparse
 import json
@@ -90,6 +90,7 @@ def triton_step(q, k, v, mask):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
+    parser.add_argument("--no-autotune", dest="autotune", action="store_false", help="skip max-autotune (minutes)")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -106,7 +107,7 @@ def main():
             x = torch.randn(batch, width, w.shape[1], device=dev, dtype=dt)
             rows[f"{name} cublas"] = graph_us(lambda: F.linear(x, w))
             rows[f"{name} rowdot"] = graph_us(lambda: rowdot_inductor(x, w))
-            if (batch, width) in TUNED_SHAPES:  # autotuning every shape would take minutes
+            if args.autotune and (batch, width) in TUNED_SHAPES:  # autotuning every shape would take minutes
                 rows[f"{name} max-autotune"] = graph_us(lambda: linear_tuned(x, w))
         q = torch.randn(batch, HEADS, width, HEAD_DIM, device=dev, dtype=dt)
         k = torch.randn(batch, KV_HEADS, CACHE, HEAD_DIM, device=dev, dtype=dt)
