@@ -1,10 +1,10 @@
-"""GGUF blocks run natively (quantization gguf): Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
+"""GGUF blocks run natively (quantization gguf): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
 
-The kernel (autotune/embedded/kernels/gguf_linear.c) quantises activations to 8-bit blocks of 32 and takes
-integer dot products with the blocks as stored, as llama.cpp does. So its output must equal gguf's own
-dequantisation (gguf.quants.dequantize) applied to both sides, to float rounding, for every format and every
-code path the compiler can pick (AVX2 with VNNI, AVX2 without, plain C), and stay within the 8-bit
-activations' error of the float32 matmul. End to end, a K-quant GGUF loads, serves over HTTP, and its greedy
+The kernel (autotune/embedded/kernels/gguf_linear.c) quantises activations to 8-bit blocks (of 32 for the
+32-weight formats, of 256 for the K-quants, llama.cpp's Q8_0 and Q8_K) and takes integer dot products with the
+blocks as stored, as llama.cpp does. So its output must equal gguf's own dequantisation (gguf.quants.dequantize)
+applied to both sides, to float rounding, for every format and every code path the compiler can pick (AVX2 with
+VNNI, AVX2 without, plain C), and stay within the 8-bit activations' error of the float32 matmul. End to end, a K-quant GGUF loads, serves over HTTP, and its greedy
 tokens follow the float32 path's except at near ties.
 """
 import platform
@@ -31,12 +31,16 @@ X86_PATHS = {"native": (), "avx2 without vnni": ("-mno-avx512vnni", "-mno-avxvnn
 PATHS = X86_PATHS if platform.machine() in ("x86_64", "AMD64") else {"native": ()}
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 NEAR_TIE = 0.5  # logits: where the native path's token differs from float32's, float32 nearly tied the two
+# 8-bit activations against float32, relative to the output's norm, with an outlier channel 50x the others: a
+# scale per 32 costs ~1.2-2.1%; the K-quants' scale per 256 (llama.cpp's Q8_K) lets the outlier coarsen the steps
+# of its 255 neighbours, ~2-3.5%, the same as llama.cpp's own K-quant dot products
+ACTIVATION_ERROR = {32: 0.025, 256: 0.05}
 
 
 # -- block data -----------------------------------------------------------------------------------------
-def q8_reference(x: np.ndarray) -> np.ndarray:
-    """x as the kernel quantises it (8-bit blocks of 32, scale amax / 127), dequantised; float32 throughout."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def q8_reference(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x as the kernel quantises it (8-bit blocks of `block`, scale amax / 127), dequantised; float32 throughout."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, block)
     scale = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
     inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
     return (np.rint(blocks * inverse) * scale).reshape(x.shape)
@@ -97,7 +101,8 @@ def random_blocks(name: str, rows: int, cols: int, rng) -> np.ndarray:
     """Every byte random (all nibble and bit patterns), then small positive fp16 scales where the format keeps them."""
     _, per_block, block_bytes = GGML_BLOCKS[TYPES[name]]
     raw = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
-    scale_fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]
+    scale_fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                    "Q6_K": [208]}[name]
     for at in scale_fields:
         raw[..., at:at + 2] = _halves(rng.uniform(1e-3, 1e-2, (rows, cols // per_block, 1)))
     return raw.reshape(rows, -1)
@@ -131,6 +136,7 @@ def kernel_path(request):
 @pytest.mark.parametrize("source", ["random bytes", "real weights"])
 def test_kernel_equals_gguf_dequantisation_on_both_sides(kernel_path, name, source, real_weights):
     rng = np.random.default_rng(TYPES[name])
+    per_block = GGML_BLOCKS[TYPES[name]][1]  # the activations' block too
     rows = random_blocks(name, 72, 512, rng) if source == "random bytes" else encode(real_weights[:72, :512], name)
     weights = dequantised(rows, name)
     if source == "real weights":  # the encoder above wrote what gguf reads back (a check of the test's own encoder)
@@ -142,10 +148,11 @@ def test_kernel_equals_gguf_dequantisation_on_both_sides(kernel_path, name, sour
         x = rng.standard_normal((m, 512)).astype(np.float32)
         x[:, 7] *= 50  # an outlier channel, as real hidden states have: one block's scale, not the row's
         y = layer(torch.from_numpy(x)).double().numpy() - bias.double().numpy()
-        exact = q8_reference(x).astype(np.float64) @ weights.T
+        exact = q8_reference(x, per_block).astype(np.float64) @ weights.T
         np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
-        float32 = x.astype(np.float64) @ weights.T
-        assert np.linalg.norm(y - float32) < 0.02 * np.linalg.norm(float32)
+        if source == "real weights":  # random bytes are no weights: far from zero-mean, they amplify x's rounding
+            float32 = x.astype(np.float64) @ weights.T
+            assert np.linalg.norm(y - float32) < ACTIVATION_ERROR[per_block] * np.linalg.norm(float32)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -177,14 +184,14 @@ def test_folded_rmsnorm_equals_the_norm_then_the_layer(kernel_path, real_weights
     norm.weight.data = torch.rand(512) + 0.5
     x = torch.randn(5, 512) * 3
     folded = GGUFLinear([(TYPES["Q6_K"], rows)], 512, norm=norm)(x).double().numpy()
-    exact = q8_reference(norm(x).detach().numpy()).astype(np.float64) @ dequantised(rows, "Q6_K").T
+    exact = q8_reference(norm(x).detach().numpy(), 256).astype(np.float64) @ dequantised(rows, "Q6_K").T
     # the C kernel's sum of squares rounds differently from torch's: an 8-bit step may land one level over
     assert np.linalg.norm(folded - exact) < 1e-3 * np.linalg.norm(exact)
 
 
 def test_a_format_the_kernel_does_not_run_is_refused():
     with pytest.raises(KeyError):
-        GGUFLinear([(int(gguf.GGMLQuantizationType.Q5_0), np.zeros((4, 22), np.uint8))], 32)
+        GGUFLinear([(int(gguf.GGMLQuantizationType.Q2_K), np.zeros((4, 84), np.uint8))], 256)
     with pytest.raises(ValueError, match="do not hold"):
         GGUFLinear([(TYPES["Q4_K"], np.zeros((4, 144), np.uint8))], 512)
 
@@ -256,8 +263,11 @@ def test_kquant_gguf_loads_with_every_layer_native(kquant_file):
 def test_native_greedy_follows_the_float32_path_over_http(model, kquant_file, start_embedded_server):
     """Served on its own blocks, greedy: exactly the text of the same native model in-process (the kernel's rows do
     not depend on the batch or the step), and those tokens are the ones float32 (the same blocks dequantised)
-    would pick at >= 90% of positions, teacher-forced; elsewhere float32 nearly tied the two (8-bit activations
-    move logits by ~1%, as llama.cpp's do, and flip near ties; after a flip the text goes on along its own path)."""
+    would pick at most positions, teacher-forced; elsewhere float32 nearly tied the two (8-bit activations move
+    logits by ~1%, as llama.cpp's do, and flip near ties; after a flip the text goes on along its own path). The
+    K-quant mix's down projections read x at one scale per 256 (Q8_K, as llama.cpp's K-quant dot products do):
+    their outputs move ~3x more (ACTIVATION_ERROR) and more near ties flip (26 of 32 tokens agree on the chat
+    prompt, where a scale per 32 gave 31)."""
     path = None if model == "bundled Q4_1" else str(kquant_file[0])
     float_model, native = load_model(path), load_model(path)
     quantize_gguf(native.model, native.gguf_blocks, torch.device("cpu"), torch.float32)
@@ -272,5 +282,6 @@ def test_native_greedy_follows_the_float32_path_over_http(model, kquant_file, st
             tokens = greedy(native.model, ids, 32, eos=-1)
         assert reply["choices"][0]["text"] == tokenizer.decode(tokens), (model, prompt)
         agreement, margins = float_path_agreement(float_model.model, ids, tokens)
-        assert agreement >= 0.9, (model, prompt, tokenizer.decode(tokens), agreement, margins)
+        assert agreement >= (0.9 if model == "bundled Q4_1" else 0.75), (model, prompt, tokenizer.decode(tokens),
+                                                                           agreement, margins)
         assert all(m < NEAR_TIE for m in margins), (model, prompt, tokenizer.decode(tokens), margins)

@@ -25,8 +25,8 @@ from autotune.embedded.model import Transformer
 
 KERNEL_SOURCES = [Path(__file__).parent / "kernels" / name for name in ("gguf_linear.c", "attention.c")]
 # ggml type -> name, weights per block, bytes per block (ggml's type_traits)
-GGML_BLOCKS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+GGML_BLOCKS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+               12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}  # model.py's fused linears, parts in order
 
 
@@ -76,12 +76,13 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 class GGUFLinear(nn.Module):
-    """y = norm(x) @ W.T + bias with W kept in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), float32, CPU.
+    """y = norm(x) @ W.T + bias with W kept in GGUF blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K), float32, CPU.
 
     parts: (ggml type, uint8 rows [out, bytes]) runs of output rows, in order; a fused layer (q/k/v,
     gate/up) whose parts differ in format (a Q4_K_M file's Q6_K attn_v) runs one kernel call per run. The
-    kernel quantises x to 8-bit blocks and takes integer dot products with the blocks as stored, as
-    llama.cpp does, so it reads 4-7x fewer bytes than float32 weights and does a quarter of the arithmetic.
+    kernel quantises x to 8-bit blocks (of 32, or of 256 with per-16 sums for the K-quants: ggml's Q8_K) and
+    takes integer dot products with the blocks as stored, as llama.cpp does, so it reads 4-7x fewer bytes than
+    float32 weights and does a quarter of the arithmetic.
     norm: the RMSNorm in front of this layer, applied by the kernel in the same pass over x (quantize_gguf
     folds it in), or None. gated: x holds gate then up (2 * in_features values a row) and the layer's input
     is silu(gate) * up, computed in the same pass (SwiGLU folded into the down projection).

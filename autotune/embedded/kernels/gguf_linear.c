@@ -1,16 +1,20 @@
 /* y[M, N] = norm(x)[M, K] @ W.T for W in a GGUF block format, read as the file stores it.
  *
- * As llama.cpp does (ggml's vec_dot_q4_1_q8_1 and friends), each row of x is first quantised to 8-bit
- * blocks of 32 (int8 q, float scale d, and d * sum(q)); a weight block then meets an activation block as
- * an integer dot product (one VNNI instruction, or maddubs + madd, per 32 pairs) scaled once in float.
- * That is 4x less arithmetic than dequantising to float32 and 4-7x fewer bytes read. The optional
- * RMSNorm (norm != NULL) is applied in the same pass over x, so the norm costs no extra op.
+ * As llama.cpp does, each row of x is first quantised to 8 bits, and a weight block meets the activations
+ * as integer dot products (one VNNI instruction, or maddubs + madd, per 32 pairs), scaled in float only
+ * where a scale changes. That is 4x less arithmetic than dequantising to float32 and 4-7x fewer bytes read.
+ * The optional RMSNorm (norm != NULL) is applied in the same pass over x, so the norm costs no extra op.
  *
- * Every format is decoded into groups of 32 small integers w with a scale (one per 16 weights: Q6_K has
- * two scales a group) and a min, so that the 32 weights are scale * w - min:
- *   Q4_0: d * (q - 8)       Q4_1: d * q + m       Q8_0: d * q                      (blocks of 32)
- *   Q4_K, Q5_K: (d * sc_j) * q - (dmin * m_j), 6-bit sc_j, m_j per 32          (super-blocks of 256)
- *   Q6_K: (d * sc_j) * (q - 32), int8 sc_j per 16                             (super-block of 256)
+ * Formats with blocks of 32 meet x in 8-bit blocks of 32 (int8 q, float scale d, and d * sum(q): ggml's
+ * vec_dot_q4_1_q8_1 and friends). Each block is decoded into 32 small integers w with a scale and a min,
+ * the 32 weights being scale * w - min:
+ *   Q4_0: d * (q - 8)     Q4_1: d * q + m     Q5_0: d * (q - 16)     Q5_1: d * q + m     Q8_0: d * q
+ * The K-quants (super-blocks of 256) meet x in 8-bit blocks of 256 (int8 q, one float d, and the integer
+ * sum of q over each 16: ggml's block_q8_K and its bsums, as in vec_dot_q4_K_q8_K). A super-block is 8
+ * sub-blocks of 32 unsigned q with an integer scale and min per 16 weights, weight = d * scale * q - dmin * min:
+ *   Q4_K, Q5_K: 6-bit scale and min per 32                 Q6_K: int8 scale per 16, q - 32 read as min 32 * scale
+ * so sum(weight * x) = d * xd * sum(scale * dot(q, xq)) - dmin * xd * sum(min * sum(xq)): both sums are
+ * integers over the whole super-block, and a row pays two float multiply-adds per 256 weights.
  * Layouts follow gguf-py's dequantize (tests check the two agree on real blocks).
  */
 #include <math.h>
@@ -18,12 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGML type numbers */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGML type numbers */
 
 /* -- 32 bytes at a time: AVX2 (with VNNI where the compiler targets it), else plain C ---------------- */
 #ifdef __AVX2__
 #include <immintrin.h>
 typedef __m256i bytes32;
+typedef __m256i ints8;
+typedef __m256i shorts16;
 typedef __m256 floats8;
 static inline bytes32 load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 /* (v >> shift) & mask per byte; mask must drop the bits a 16-bit shift brings in from the next byte */
@@ -32,13 +38,23 @@ static inline bytes32 bits(bytes32 v, int shift, uint8_t mask) {
 }
 static inline bytes32 or_high(bytes32 low, bytes32 high) { return _mm256_or_si256(low, _mm256_slli_epi16(high, 4)); }
 static inline bytes32 minus(bytes32 v, int8_t c) { return _mm256_sub_epi8(v, _mm256_set1_epi8(c)); }
-/* 16 bytes of nibbles: the low ones are weights 0..15, the high ones 16..31 (Q4_0, Q4_1) */
+/* 16 bytes of nibbles: the low ones are weights 0..15, the high ones 16..31 (Q4_0, Q4_1, Q5_0, Q5_1) */
 static inline bytes32 nibbles16(const uint8_t *q) {
     const __m128i v = _mm_loadu_si128((const __m128i *)q);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
 }
+/* 32 bits, little-endian, as 32 bytes: byte j is bit j (Q5_0, Q5_1's fifth bits) */
+static inline bytes32 bit_bytes(const uint8_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word),  /* byte j <- byte j / 8 */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  /* byte j: bit j % 8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+}
 /* Dot products of unsigned w (< 128) with signed x, in 8 lanes of 4 pairs (lanes 0-3: weights 0..15). */
-static inline __m256i dot_unsigned(bytes32 w, bytes32 x) {
+static inline ints8 dot_unsigned(bytes32 w, bytes32 x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
 #elif defined(__AVXVNNI__)
@@ -48,13 +64,39 @@ static inline __m256i dot_unsigned(bytes32 w, bytes32 x) {
 #endif
 }
 /* Signed w: |w| against x with w's sign moved onto x (w = -128 reads as 128 unsigned, still exact). */
-static inline __m256i dot_signed(bytes32 w, bytes32 x) {
+static inline ints8 dot_signed(bytes32 w, bytes32 x) {
     return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
-/* acc + sums * (lo for lanes 0-3, hi for 4-7); lo == hi is a plain broadcast */
-static inline floats8 fma_scaled(floats8 acc, __m256i sums, float lo, float hi, int one_scale) {
-    const __m256 scale = one_scale ? _mm256_set1_ps(lo) : _mm256_setr_ps(lo, lo, lo, lo, hi, hi, hi, hi);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+/* acc + unsigned w (< 64) times signed x, each pair of products times its 16-bit scale: 8 lanes, lanes 0-3
+ * weights 0..15 with scale lanes 0-7. A pair is at most 2 * 63 * 127, so maddubs never saturates. */
+static inline ints8 add_scaled_dot(ints8 acc, bytes32 w, bytes32 x, shorts16 scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(w, x), scale);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, _mm256_maddubs_epi16(w, x), scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale));
+#endif
+}
+static inline ints8 add_ints(ints8 a, ints8 b) { return _mm256_add_epi32(a, b); }
+static inline ints8 zero_ints(void) { return _mm256_setzero_si256(); }
+/* 16 int8 as 16 int16 lanes, in the order given */
+static inline shorts16 widen(const int8_t *s) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)s)); }
+/* 16 int8 with the even ones in lanes 0-7 and the odd ones in lanes 8-15 */
+static inline shorts16 widen_even_odd(const int8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
+static inline shorts16 times32(shorts16 v) { return _mm256_slli_epi16(v, 5); }
+/* lane j of the even-odd scales in lanes 0-7 and lane 8 + j in lanes 8-15: sub-block j's two scales */
+static inline shorts16 pick(shorts16 even_odd, int j) {
+    return _mm256_shuffle_epi8(even_odd, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+}
+static inline ints8 dot_shorts(shorts16 a, const int16_t *b) {
+    return _mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)b));
+}
+static inline floats8 fma_scaled(floats8 acc, ints8 sums, float scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
 }
 static inline floats8 zero8(void) { return _mm256_setzero_ps(); }
 static inline float sum8(floats8 v) {
@@ -65,6 +107,7 @@ static inline float sum8(floats8 v) {
 #else
 typedef struct { uint8_t b[32]; } bytes32;
 typedef struct { int32_t i[8]; } ints8;
+typedef struct { int16_t h[16]; } shorts16;
 typedef struct { float f[8]; } floats8;
 static inline bytes32 load32(const uint8_t *p) { bytes32 v; memcpy(v.b, p, 32); return v; }
 static inline bytes32 bits(bytes32 v, int shift, uint8_t mask) {
@@ -79,6 +122,16 @@ static inline bytes32 minus(bytes32 v, int8_t c) {
     for (int j = 0; j < 32; j++) v.b[j] = (uint8_t)(v.b[j] - c);
     return v;
 }
+static inline bytes32 nibbles16(const uint8_t *q) {
+    bytes32 v;
+    for (int j = 0; j < 16; j++) v.b[j] = q[j] & 15, v.b[16 + j] = q[j] >> 4;
+    return v;
+}
+static inline bytes32 bit_bytes(const uint8_t *p) {
+    bytes32 v;
+    for (int j = 0; j < 32; j++) v.b[j] = p[j / 8] >> (j % 8) & 1;
+    return v;
+}
 static inline ints8 dot_lanes(bytes32 w, bytes32 x, int is_signed) {
     ints8 s = {{0}};
     for (int j = 0; j < 32; j++)
@@ -87,9 +140,41 @@ static inline ints8 dot_lanes(bytes32 w, bytes32 x, int is_signed) {
 }
 static inline ints8 dot_unsigned(bytes32 w, bytes32 x) { return dot_lanes(w, x, 0); }
 static inline ints8 dot_signed(bytes32 w, bytes32 x) { return dot_lanes(w, x, 1); }
-static inline floats8 fma_scaled(floats8 acc, ints8 sums, float lo, float hi, int one_scale) {
-    (void)one_scale;
-    for (int j = 0; j < 8; j++) acc.f[j] += (float)sums.i[j] * (j < 4 ? lo : hi);
+static inline ints8 add_scaled_dot(ints8 acc, bytes32 w, bytes32 x, shorts16 scale) {
+    for (int j = 0; j < 32; j++) acc.i[j / 4] += (int32_t)w.b[j] * (int32_t)(int8_t)x.b[j] * scale.h[j / 2];
+    return acc;
+}
+static inline ints8 add_ints(ints8 a, ints8 b) {
+    for (int j = 0; j < 8; j++) a.i[j] += b.i[j];
+    return a;
+}
+static inline ints8 zero_ints(void) { ints8 v = {{0}}; return v; }
+static inline shorts16 widen(const int8_t *s) {
+    shorts16 v;
+    for (int j = 0; j < 16; j++) v.h[j] = s[j];
+    return v;
+}
+static inline shorts16 widen_even_odd(const int8_t *s) {
+    shorts16 v;
+    for (int j = 0; j < 8; j++) v.h[j] = s[2 * j], v.h[8 + j] = s[2 * j + 1];
+    return v;
+}
+static inline shorts16 times32(shorts16 v) {
+    for (int j = 0; j < 16; j++) v.h[j] = (int16_t)(v.h[j] * 32);
+    return v;
+}
+static inline shorts16 pick(shorts16 even_odd, int j) {
+    shorts16 v;
+    for (int k = 0; k < 8; k++) v.h[k] = even_odd.h[j], v.h[8 + k] = even_odd.h[8 + j];
+    return v;
+}
+static inline ints8 dot_shorts(shorts16 a, const int16_t *b) {
+    ints8 s = {{0}};
+    for (int j = 0; j < 16; j++) s.i[j / 2] += (int32_t)a.h[j] * b[j];
+    return s;
+}
+static inline floats8 fma_scaled(floats8 acc, ints8 sums, float scale) {
+    for (int j = 0; j < 8; j++) acc.f[j] += (float)sums.i[j] * scale;
     return acc;
 }
 static inline floats8 zero8(void) { floats8 v = {{0}}; return v; }
@@ -97,11 +182,6 @@ static inline float sum8(floats8 v) {
     float s = 0.f;
     for (int j = 0; j < 8; j++) s += v.f[j];
     return s;
-}
-static inline bytes32 nibbles16(const uint8_t *q) {
-    bytes32 v;
-    for (int j = 0; j < 16; j++) v.b[j] = q[j] & 15, v.b[16 + j] = q[j] >> 4;
-    return v;
 }
 #endif
 
@@ -118,153 +198,217 @@ static inline float half(const uint8_t *p) {  /* IEEE binary16 -> float, little-
     return f;
 }
 
-typedef struct {
-    bytes32 w;
-    float lo, hi, min;  /* weights 0..15 are lo * w - min, 16..31 hi * w - min */
-} Group;
-
-static inline int block_weights(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+static inline int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+static inline int block_weights(int type) { return is_k_quant(type) ? 256 : 32; }
 static inline int block_bytes(int type) {
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4_K: return 144;
     case Q5_K: return 176;
     default: return 210;  /* Q6_K */
     }
 }
-static inline int is_signed(int type) { return type == Q4_0 || type == Q8_0 || type == Q6_K; }
-static inline int has_min(int type) { return type == Q4_1 || type == Q4_K || type == Q5_K; }
 
-/* The K-quants' 6-bit scale and min of group j (ggml's get_scale_min_k4). */
-static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
-
-/* One block (32 weights) or super-block (256) as 1 or 8 groups. */
-static inline void decode(int type, const uint8_t *b, Group *g) {
-    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
-        const float d = half(b);
-        g->lo = g->hi = d;
-        g->min = type == Q4_1 ? -half(b + 2) : 0.f;
-        g->w = type == Q8_0 ? load32(b + 2) : type == Q4_1 ? nibbles16(b + 4) : minus(nibbles16(b + 2), 8);
-        return;
-    }
-    if (type == Q6_K) {  /* ql[128], qh[64], int8 scales[16], d */
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half(b + 208);
-        for (int j = 0; j < 8; j++) {
-            const int half_ = j / 4, t = j % 4;  /* 128-weight half, and which quarter of it */
-            const bytes32 low = bits(load32(ql + 64 * half_ + 32 * (t % 2)), 4 * (t / 2), 15);
-            g[j].w = minus(or_high(low, bits(load32(qh + 32 * half_), 2 * t, 3)), 32);
-            g[j].lo = d * (float)scales[2 * j];
-            g[j].hi = d * (float)scales[2 * j + 1];
-            g[j].min = 0.f;
-        }
-        return;
-    }
-    /* Q4_K: d, dmin, scales[12], qs[128]; Q5_K: the same with qh[32] (each weight's 5th bit) before qs */
-    const float d = half(b), dmin = half(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = type == Q5_K ? b + 48 : b + 16;
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        scale_min_k4(j, scales, &sc, &m);
-        bytes32 w = bits(load32(qs + 32 * (j / 2)), 4 * (j % 2), 15);
-        if (type == Q5_K) w = or_high(w, bits(load32(qh), j, 1));
-        g[j].w = w;
-        g[j].lo = g[j].hi = d * (float)sc;
-        g[j].min = dmin * (float)m;
-    }
-}
-
-/* x's rows as 8-bit blocks of 32: q, scale d, and d * sum(q) (what a weight block's min multiplies). */
+/* -- x's rows in 8 bits ------------------------------------------------------------------------------ */
+/* Per row: q (K int8), and per block of 32 or 256 (the weight format's) a scale d. Blocks of 32 keep
+ * s = d * sum(q) (what a block's min multiplies); blocks of 256 keep the integer sum of q over each 16, the
+ * even 16s first, then the odd ones (the order in which a K-quant's per-16 scales are laid out for pick()). */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int16_t *sums;
 } Acts;
 
-static void quantize_row(const float *x, int64_t K, const float *norm, float eps, int gated, int8_t *q, float *d,
-                         float *s) {
+static void quantize_row(const float *x, int64_t K, int block, const float *norm, float eps, int gated, int8_t *q,
+                         float *d, float *s, int16_t *sums) {
     float inv_rms = 1.f;
     if (norm) {
         float squares = 0.f;
         for (int64_t k = 0; k < K; k++) squares += x[k] * x[k];
         inv_rms = 1.f / sqrtf(squares / (float)K + eps);
     }
-    for (int64_t b = 0; b < K / 32; b++) {
-        float v[32], amax = 0.f;
-        for (int j = 0; j < 32; j++) {
-            const float xj = x[32 * b + j];
-            v[j] = gated ? xj / (1.f + expf(-xj)) * x[K + 32 * b + j] : norm ? xj * inv_rms * norm[32 * b + j] : xj;
+    for (int64_t b = 0; b < K / block; b++) {
+        const int64_t at = block * b;
+        float v[256], amax = 0.f;
+        for (int j = 0; j < block; j++) {
+            const float xj = x[at + j];
+            v[j] = gated ? xj / (1.f + expf(-xj)) * x[K + at + j] : norm ? xj * inv_rms * norm[at + j] : xj;
             amax = fmaxf(amax, fabsf(v[j]));
         }
         const float scale = amax / 127.f, inv = scale ? 1.f / scale : 0.f;
         int sum = 0;
-        for (int j = 0; j < 32; j++) {
-            q[32 * b + j] = (int8_t)nearbyintf(v[j] * inv);
-            sum += q[32 * b + j];
+        for (int j = 0; j < block; j++) {
+            q[at + j] = (int8_t)nearbyintf(v[j] * inv);
+            sum += q[at + j];
         }
         d[b] = scale;
-        s[b] = scale * (float)sum;
+        if (block == 32) {
+            s[b] = scale * (float)sum;
+            continue;
+        }
+        for (int g = 0; g < 16; g++) {
+            int group = 0;
+            for (int j = 0; j < 16; j++) group += q[at + 16 * g + j];
+            sums[16 * b + (g % 2) * 8 + g / 2] = (int16_t)group;
+        }
     }
 }
 
-/* Output n for R rows of x (from row r): every weight group is decoded once and used R times. type and R
+/* -- blocks of 32 ------------------------------------------------------------------------------------- */
+typedef struct {
+    bytes32 w;
+    float scale, min;  /* the 32 weights are scale * w - min */
+} Block;
+
+static inline int is_signed(int type) { return type == Q4_0 || type == Q5_0 || type == Q8_0; }
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+
+static inline Block decode(int type, const uint8_t *b) {
+    Block g;
+    g.scale = half(b);
+    g.min = has_min(type) ? -half(b + 2) : 0.f;
+    switch (type) {
+    case Q8_0: g.w = load32(b + 2); break;
+    case Q4_0: g.w = minus(nibbles16(b + 2), 8); break;
+    case Q4_1: g.w = nibbles16(b + 4); break;
+    case Q5_0: g.w = minus(or_high(nibbles16(b + 6), bit_bytes(b + 2)), 16); break;
+    default: g.w = or_high(nibbles16(b + 8), bit_bytes(b + 4)); break;  /* Q5_1 */
+    }
+    return g;
+}
+
+/* Output n for R rows of x (from row r): every weight block is decoded once and used R times. type and R
  * are constants where this is inlined, so each (format, R) pair compiles to its own loop. */
 static inline __attribute__((always_inline)) void dot_rows(int type, int R, const uint8_t *w_row, int64_t K,
                                                            const Acts *a, int64_t r, float *y, int64_t ldy) {
-    /* two accumulators a row, taken in turn, so one group's multiply-add need not wait for the last's */
+    /* two accumulators a row, taken in turn, so one block's multiply-add need not wait for the last's */
     floats8 acc[4], other[4];
     float mins[4], other_mins[4];
     for (int i = 0; i < R; i++) acc[i] = other[i] = zero8(), mins[i] = other_mins[i] = 0.f;
-    const int8_t *xq[4];
-    const float *xd[4], *xs[4];
-    for (int i = 0; i < R; i++) xq[i] = a->q + (r + i) * K, xd[i] = a->d + (r + i) * (K / 32), xs[i] = a->s + (r + i) * (K / 32);
-    const int groups = block_weights(type) / 32, bytes = block_bytes(type);
-    for (int64_t blk = 0; blk < K / 32 / groups; blk++) {
-        Group g[8];
-        decode(type, w_row + blk * bytes, g);
-        for (int j = 0; j < groups; j++) {
-            const int64_t block = blk * groups + j;  /* the activation block these 32 weights meet */
-            for (int i = 0; i < R; i++) {
-                const bytes32 x = load32((const uint8_t *)(xq[i] + 32 * block));
-                const floats8 previous = acc[i];
-                acc[i] = other[i];
-                other[i] = fma_scaled(previous, is_signed(type) ? dot_signed(g[j].w, x) : dot_unsigned(g[j].w, x),
-                                      g[j].lo * xd[i][block], g[j].hi * xd[i][block], type != Q6_K);
-                if (has_min(type)) {
-                    const float previous_min = mins[i];
-                    mins[i] = other_mins[i];
-                    other_mins[i] = previous_min + g[j].min * xs[i][block];
-                }
+    const int bytes = block_bytes(type);
+    for (int64_t block = 0; block < K / 32; block++) {
+        const Block g = decode(type, w_row + block * bytes);
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (r + i) * (K / 32) + block;
+            const bytes32 x = load32((const uint8_t *)(a->q + 32 * at));
+            const floats8 previous = acc[i];
+            acc[i] = other[i];
+            other[i] = fma_scaled(previous, is_signed(type) ? dot_signed(g.w, x) : dot_unsigned(g.w, x),
+                                  g.scale * a->d[at]);
+            if (has_min(type)) {
+                const float previous_min = mins[i];
+                mins[i] = other_mins[i];
+                other_mins[i] = previous_min + g.min * a->s[at];
             }
         }
     }
     for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) + sum8(other[i]) - mins[i] - other_mins[i];
 }
 
-#define FORMAT_ROWS(T)                                                                                  \
-    static void rows_##T(int R, const uint8_t *w_row, int64_t K, const Acts *a, int64_t r, float *y, int64_t ldy) { \
-        if (R == 4) dot_rows(T, 4, w_row, K, a, r, y, ldy);                                              \
-        else if (R == 2) dot_rows(T, 2, w_row, K, a, r, y, ldy);                                         \
-        else dot_rows(T, 1, w_row, K, a, r, y, ldy);                                                     \
+/* -- K-quant super-blocks of 256 ---------------------------------------------------------------------- */
+typedef struct {
+    shorts16 scales, mins;  /* per 16 weights, the even 16s in lanes 0-7 and the odd ones in 8-15 */
+    float d, dmin;
+} SuperScales;
+
+/* Q4_K, Q5_K: 12 bytes of 6-bit scales and mins for 8 sub-blocks (ggml's get_scale_min_k4): bytes 0-3 hold
+ * scales 0-3 in their low 6 bits, 4-7 mins 0-3; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and
+ * mins 4-7 (high nibble), whose top 2 bits are the top 2 bits of bytes 0-3 (scales) and 4-7 (mins). */
+static inline SuperScales k4_scales(const uint8_t *b) {
+    uint32_t packed[3], scales[4], mins[4];
+    memcpy(packed, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    scales[0] = scales[2] = packed[0] & low6;
+    scales[1] = scales[3] = (packed[2] & low4) | (packed[0] >> 6 & low2) << 4;
+    mins[0] = mins[2] = packed[1] & low6;
+    mins[1] = mins[3] = (packed[2] >> 4 & low4) | (packed[1] >> 6 & low2) << 4;
+    /* sub-block j's scale serves its 16s 2j (even) and 2j + 1 (odd): the 8 scales twice is the even-odd layout */
+    SuperScales s = {widen((const int8_t *)scales), widen((const int8_t *)mins), half(b), half(b + 2)};
+    return s;
+}
+
+static inline SuperScales k_scales(int type, const uint8_t *b) {
+    if (type != Q6_K) return k4_scales(b);
+    const shorts16 scales = widen_even_odd((const int8_t *)(b + 192));
+    const float d = half(b + 208);
+    SuperScales s = {scales, times32(scales), d, d};  /* d * scale * (q - 32) = d * scale * q - d * 32 * scale */
+    return s;
+}
+
+/* Sub-block j's 32 unsigned q */
+static inline bytes32 k_weights(int type, const uint8_t *b, int j) {
+    if (type == Q6_K) {  /* ql[128], qh[64]: 128-weight halves, each 4 quarters of 32 */
+        const int half_ = j / 4, quarter = j % 4;
+        const bytes32 low = bits(load32(b + 64 * half_ + 32 * (quarter % 2)), 4 * (quarter / 2), 15);
+        return or_high(low, bits(load32(b + 128 + 32 * half_), 2 * quarter, 3));
     }
-FORMAT_ROWS(Q4_0)
-FORMAT_ROWS(Q4_1)
-FORMAT_ROWS(Q8_0)
-FORMAT_ROWS(Q4_K)
-FORMAT_ROWS(Q5_K)
-FORMAT_ROWS(Q6_K)
+    /* Q4_K: d, dmin, scales[12], qs[128]; Q5_K: the same with qh[32] (each weight's 5th bit) before qs */
+    const bytes32 low = bits(load32(b + (type == Q5_K ? 48 : 16) + 32 * (j / 2)), 4 * (j % 2), 15);
+    return type == Q5_K ? or_high(low, bits(load32(b + 16), j, 1)) : low;
+}
+
+static inline __attribute__((always_inline)) void dot_rows_k(int type, int R, const uint8_t *w_row, int64_t K,
+                                                             const Acts *a, int64_t r, float *y, int64_t ldy) {
+    floats8 acc[4], acc_min[4];
+    for (int i = 0; i < R; i++) acc[i] = acc_min[i] = zero8();
+    const int64_t supers = K / 256;
+    for (int64_t sb = 0; sb < supers; sb++) {
+        const uint8_t *b = w_row + sb * block_bytes(type);
+        const SuperScales s = k_scales(type, b);
+        ints8 even[4], odd[4];  /* two integer sums a row, so a VNNI multiply-add need not wait for the last */
+        for (int i = 0; i < R; i++) even[i] = odd[i] = zero_ints();
+        for (int j = 0; j < 8; j++) {
+            const bytes32 w = k_weights(type, b, j);
+            const shorts16 scale = pick(s.scales, j);
+            for (int i = 0; i < R; i++) {
+                const bytes32 x = load32((const uint8_t *)(a->q + (r + i) * K + 256 * sb + 32 * j));
+                if (j % 2) odd[i] = add_scaled_dot(odd[i], w, x, scale);
+                else even[i] = add_scaled_dot(even[i], w, x, scale);
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (r + i) * supers + sb;
+            acc[i] = fma_scaled(acc[i], add_ints(even[i], odd[i]), s.d * a->d[at]);
+            acc_min[i] = fma_scaled(acc_min[i], dot_shorts(s.mins, a->sums + 16 * at), s.dmin * a->d[at]);
+        }
+    }
+    for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) - sum8(acc_min[i]);
+}
+
+#define FORMAT_ROWS(T, DOT)                                                                              \
+    static void rows_##T(int R, const uint8_t *w_row, int64_t K, const Acts *a, int64_t r, float *y, int64_t ldy) { \
+        if (R == 4) DOT(T, 4, w_row, K, a, r, y, ldy);                                                    \
+        else if (R == 2) DOT(T, 2, w_row, K, a, r, y, ldy);                                               \
+        else DOT(T, 1, w_row, K, a, r, y, ldy);                                                           \
+    }
+FORMAT_ROWS(Q4_0, dot_rows)
+FORMAT_ROWS(Q4_1, dot_rows)
+FORMAT_ROWS(Q5_0, dot_rows)
+FORMAT_ROWS(Q5_1, dot_rows)
+FORMAT_ROWS(Q8_0, dot_rows)
+FORMAT_ROWS(Q4_K, dot_rows_k)
+FORMAT_ROWS(Q5_K, dot_rows_k)
+FORMAT_ROWS(Q6_K, dot_rows_k)
 
 typedef void (*RowsFn)(int, const uint8_t *, int64_t, const Acts *, int64_t, float *, int64_t);
+
+static RowsFn rows_of(int type) {
+    switch (type) {
+    case Q4_0: return rows_Q4_0;
+    case Q4_1: return rows_Q4_1;
+    case Q5_0: return rows_Q5_0;
+    case Q5_1: return rows_Q5_1;
+    case Q8_0: return rows_Q8_0;
+    case Q4_K: return rows_Q4_K;
+    case Q5_K: return rows_Q5_K;
+    case Q6_K: return rows_Q6_K;
+    default: return NULL;
+    }
+}
 
 #define ROW_TILE 16  /* rows of x that stay in L1 while every output n runs over them */
 
@@ -274,14 +418,15 @@ typedef void (*RowsFn)(int, const uint8_t *, int64_t, const Acts *, int64_t, flo
  * Returns 0, or -1 for an unknown type. */
 int gguf_linear(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
                 const float *norm, float eps, int gated, int threads) {
-    RowsFn rows = type == Q4_0 ? rows_Q4_0 : type == Q4_1 ? rows_Q4_1 : type == Q8_0 ? rows_Q8_0
-                : type == Q4_K ? rows_Q4_K : type == Q5_K ? rows_Q5_K : type == Q6_K ? rows_Q6_K : NULL;
+    const RowsFn rows = rows_of(type);
     if (!rows) return -1;
-    Acts a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / 32)),
-              malloc(sizeof(float) * (size_t)(M * K / 32))};
+    const int block = block_weights(type);
+    Acts a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / block)),
+              malloc(sizeof(float) * (size_t)(M * K / block)), malloc(sizeof(int16_t) * (size_t)(M * K / 16))};
     for (int64_t i = 0; i < M; i++)
-        quantize_row(x + i * K * (gated ? 2 : 1), K, norm, eps, gated, a.q + i * K, a.d + i * (K / 32), a.s + i * (K / 32));
-    const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        quantize_row(x + i * K * (gated ? 2 : 1), K, block, norm, eps, gated, a.q + i * K, a.d + i * (K / block),
+                     a.s + i * (K / block), a.sums + i * (K / 16));
+    const int64_t row_bytes = K / block * block_bytes(type);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
         const int64_t end = M - r0 < ROW_TILE ? M : r0 + ROW_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -292,6 +437,6 @@ int gguf_linear(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
             for (; end - r >= 1; r += 1) rows(1, w + n * row_bytes, K, &a, r, y + n, ldy);
         }
     }
-    free(a.q), free(a.d), free(a.s);
+    free(a.q), free(a.d), free(a.s), free(a.sums);
     return 0;
 }
