@@ -71,7 +71,7 @@ def main():
     subset = torch.from_numpy(np.argsort(-counts, kind="stable")[: args.vocab]).to(device)
     coverage = {name: float(np.isin(np.concatenate([s["tokens"][s["prompt_len"]:] for s in group]),
                                     subset.cpu().numpy()).mean()) for name, group in (("train", train), ("held_out", held))}
-    teach(target, sequences, subset, args.batch, device)
+    teach(target, sequences, prompts, subset, args.batch, device)
     timeline.append(log(start, f"teacher laws over the {args.vocab}-token subset (covers {coverage['held_out']:.3f} of held-out tokens)"))
 
     draft = initial_draft(target, subset, args.layers, device)
@@ -145,17 +145,7 @@ def generate(target, prompts: list[list[int]], args, device) -> list[dict]:
         chunk = jobs[first : first + args.gen_batch]
         lengths = torch.tensor([len(prompts[p]) for p, _ in chunk], device=device)
         cache = KVCache(target.args, len(chunk), int(lengths.max()) + args.new_tokens, torch.float32, device)
-        logits = torch.empty((len(chunk), target.args.vocab_size), device=device)
-        for row, (p, s) in enumerate(chunk):
-            if row and chunk[row - 1][0] == p:  # the same prompt as the row before: copy its cache rows
-                for layer in range(target.args.n_layers):
-                    cache.k[layer][row], cache.v[layer][row] = cache.k[layer][row - 1], cache.v[layer][row - 1]
-                logits[row] = logits[row - 1]
-                continue
-            ids = torch.tensor([prompts[p]], device=device)
-            positions = torch.arange(ids.shape[1], device=device)[None]
-            logits[row] = target.model(ids, positions, cache, rows=torch.tensor([row], device=device),
-                                       kv_len=ids.shape[1], logits_from=ids.shape[1] - 1)[0, -1]
+        logits = prefill(target, [p for p, _ in chunk], prompts, cache, device)
         temperature = torch.tensor([s / max(1, args.samples - 1) for _, s in chunk], device=device)
         new = []
         for step in range(args.new_tokens):
@@ -170,6 +160,23 @@ def generate(target, prompts: list[list[int]], args, device) -> list[dict]:
             sequences.append({"prompt": p, "prompt_len": len(prompts[p]), "temperature": float(temperature[row]),
                               "tokens": np.concatenate([prompts[p], new[row]])})
     return sequences
+
+
+def prefill(target, row_prompts: list[int], prompts: list[list[int]], cache: KVCache, device) -> torch.Tensor:
+    """Row i's prompt, prompts[row_prompts[i]], into cache slot i; the logits [B, V] at each prompt's last position.
+    A row of the same prompt as the row before copies that row's cache."""
+    logits = torch.empty((len(row_prompts), target.args.vocab_size), device=device)
+    for row, p in enumerate(row_prompts):
+        if row and row_prompts[row - 1] == p:
+            for layer in range(target.args.n_layers):
+                cache.k[layer][row], cache.v[layer][row] = cache.k[layer][row - 1], cache.v[layer][row - 1]
+            logits[row] = logits[row - 1]
+            continue
+        ids = torch.tensor([prompts[p]], device=device)
+        logits[row] = target.model(ids, torch.arange(ids.shape[1], device=device)[None], cache,
+                                   rows=torch.tensor([row], device=device), kv_len=ids.shape[1],
+                                   logits_from=ids.shape[1] - 1)[0, -1]
+    return logits
 
 
 def padded(group: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -198,11 +205,19 @@ def forward(model, group: list[dict], device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teach(target, sequences: list[dict], subset: torch.Tensor, batch: int, device):
-    """Each sequence's teacher laws: p over the subset [G, N] (bfloat16) and the target's full-vocabulary argmax [G]."""
+def teach(target, sequences: list[dict], prompts: list[list[int]], subset: torch.Tensor, batch: int, device):
+    """Each sequence's teacher laws: p over the subset [G, N] (bfloat16) and the target's full-vocabulary argmax [G].
+    Each prompt is fed once per batch (generation order keeps a prompt's samples together), then every row's
+    generated tokens in one pass: the laws they were drawn from, recomputed."""
     for first in range(0, len(sequences), batch):
         group = sequences[first : first + batch]
-        logp = torch.log_softmax(forward(target.model, group, device), -1)
+        lengths = torch.tensor([s["prompt_len"] for s in group], device=device)
+        generated = torch.from_numpy(np.stack([s["tokens"][s["prompt_len"]:] for s in group])).to(device)
+        cache = KVCache(target.args, len(group), int(lengths.max()) + generated.shape[1], torch.float32, device)
+        last = prefill(target, [s["prompt"] for s in group], prompts, cache, device)
+        positions = lengths[:, None] + torch.arange(generated.shape[1] - 1, device=device)
+        rest = target.model(generated[:, :-1], positions, cache, kv_len=int(positions.max()) + 1)
+        logp = torch.log_softmax(torch.cat([last[:, None], rest], 1), -1)
         for s, row_logp in zip(group, logp):
             s["p"], s["argmax"] = row_logp[:, subset].exp().to(torch.bfloat16), row_logp.argmax(-1)
 
