@@ -20,11 +20,11 @@ START_TIMEOUT_S = 300
 
 
 def serve(config: dict, log_dir: Path) -> Launcher:
-    """An embedded server with `config` (its "model": the checkpoint), healthy; leaving `with` stops it.
+    """An embedded server with `config` (its "model" and "draft_model": the checkpoints), healthy; leaving `with` stops it.
     Raises LaunchError."""
-    settings = {k: v for k, v in config.items() if k != "model"}
-    return launch(EmbeddedAdapter(), settings, model=config.get("model"), log_path=log_dir / "server.log",
-                  timeout_s=START_TIMEOUT_S)
+    settings = {k: v for k, v in config.items() if k not in ("model", "draft_model")}
+    return launch(EmbeddedAdapter(), settings, model=config.get("model"), draft_model=config.get("draft_model"),
+                  log_path=log_dir / "server.log", timeout_s=START_TIMEOUT_S)
 
 
 def measurable(config: dict) -> bool:
