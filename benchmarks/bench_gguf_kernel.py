@@ -26,7 +26,7 @@ BOOTSTRAP = 2000
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_at(commit: str):
+def build_at(commit: str) -> ctypes.CDLL:
     """The kernel library built from commit's sources, with the engine's own flags."""
     folder = Path(tempfile.mkdtemp(prefix="kernel-"))
     sources = []
@@ -35,12 +35,24 @@ def build_at(commit: str):
         text = subprocess.run(["git", "show", f"{commit}:{relative}"], cwd=ROOT, capture_output=True, check=True).stdout
         (folder / path.name).write_bytes(text)
         sources.append(folder / path.name)
-    saved = quantize.KERNEL_SOURCES
-    quantize.KERNEL_SOURCES = sources
-    try:
-        return quantize.build_kernel()
-    finally:
-        quantize.KERNEL_SOURCES = saved
+    lib = ctypes.CDLL(str(quantize.compile_kernel(sources)))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer, ctypes.c_float,
+                                ctypes.c_int, ctypes.c_int]
+    lib.gguf_linear.restype = ctypes.c_int
+    return lib
+
+
+def as_read_by(lib, ggml_type: int, rows: np.ndarray, cols: int) -> np.ndarray:
+    """rows as lib's gguf_linear reads them: repacked by lib where it repacks (from the commit after 01f2255 on)."""
+    if not hasattr(lib, "gguf_pack"):
+        return rows
+    size = ctypes.c_int64
+    lib.gguf_packed_row_bytes.argtypes, lib.gguf_packed_row_bytes.restype = [ctypes.c_int, size], size
+    lib.gguf_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, size, size, ctypes.c_void_p]
+    packed = np.empty((rows.shape[0], lib.gguf_packed_row_bytes(ggml_type, cols)), np.uint8)
+    lib.gguf_pack(ggml_type, rows.ctypes.data, rows.shape[0], cols, packed.ctypes.data)
+    return packed
 
 
 def random_rows(ggml_type: int, rows: int, cols: int, rng) -> np.ndarray:
@@ -87,18 +99,20 @@ def main():
     gated = 0 if args.plain else 1
     x = rng.standard_normal((args.rows, args.in_features * (1 + gated))).astype(np.float32)
     y = np.empty((args.rows, args.out_features), np.float32)
-    weights = {t: random_rows(t, args.out_features, args.in_features, rng) for t in quantize.GGML_BLOCKS}
-    times = {(t, b): [] for t in weights for b in builds}
+    stored = {t: random_rows(t, args.out_features, args.in_features, rng) for t in quantize.GGML_BLOCKS}
+    weights = {(t, b): as_read_by(lib, t, rows, args.in_features) for t, rows in stored.items() for b, lib in builds.items()}
+    times = {key: [] for key in weights}
     for round_ in range(args.rounds):
-        for t, w in weights.items():
+        for t in stored:
             order = list(builds) if round_ % 2 == 0 else list(reversed(builds))
             for b in order:
-                times[t, b].append(per_call_us(builds[b], t, x, w, y, args.rows, args.in_features, gated, args.calls))
+                times[t, b].append(per_call_us(builds[b], t, x, weights[t, b], y, args.rows, args.in_features, gated,
+                                               args.calls))
     print(f"{args.out_features} x {args.in_features}, {args.rows} row(s) of x, {'plain' if args.plain else 'SwiGLU folded'}, "
           f"1 thread, {args.rounds} rounds of {args.calls} calls; CPU time per call")
     print(f"| format | this tree (us) | {args.against} (us) | this tree / {args.against} (median of rounds) | 95% interval |")
     print("| --- | --- | --- | --- | --- |")
-    for t in weights:
+    for t in stored:
         new, old = times[t, "this tree"], times[t, args.against]
         name = quantize.GGML_BLOCKS[t][0]
         if None in old:

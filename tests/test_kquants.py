@@ -155,6 +155,19 @@ def test_kernel_equals_gguf_dequantisation_on_both_sides(kernel_path, name, sour
             assert np.linalg.norm(y - float32) < ACTIVATION_ERROR[per_block] * np.linalg.norm(float32)
 
 
+@pytest.mark.parametrize("name", [name for name in FORMATS if not name.endswith("_K")])
+def test_rows_of_any_block_count(kernel_path, name):
+    """The kernel reads 32-weight blocks in pairs and their scales 8 at a time: one block (a pair's half alone),
+    an odd count (a last odd block), and counts that end mid-way through 8 (SmolLM2's 576 columns: 18 blocks)."""
+    rng = np.random.default_rng(TYPES[name] + 100)
+    for blocks in (1, 3, 17, 18):
+        rows = random_blocks(name, 9, 32 * blocks, rng)
+        x = rng.standard_normal((5, 32 * blocks)).astype(np.float32)
+        y = GGUFLinear([(TYPES[name], rows)], 32 * blocks)(torch.from_numpy(x)).double().numpy()
+        exact = q8_reference(x).astype(np.float64) @ dequantised(rows, name).T
+        np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max(), err_msg=f"{name}, {blocks} blocks")
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_a_row_gives_the_same_bits_in_any_batch(kernel_path, gated):
     """Greedy speculative decoding is exact only if a verify step's rows equal what decode steps would compute:

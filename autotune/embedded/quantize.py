@@ -98,7 +98,7 @@ class GGUFLinear(nn.Module):
             name, per_block, block_bytes = GGML_BLOCKS[ggml_type]
             if in_features % per_block or rows.shape[1] != in_features // per_block * block_bytes:
                 raise ValueError(f"{name} rows of {rows.shape[1]} bytes do not hold {in_features} weights")
-            self.register_buffer(f"blocks{i}", torch.from_numpy(np.array(rows, dtype=np.uint8)))
+            self.register_buffer(f"blocks{i}", torch.from_numpy(pack_rows(ggml_type, rows, in_features)))
             self.parts.append((ggml_type, sum(r.shape[0] for _, r in parts[:i]), rows.shape[0]))
         self.register_buffer("bias", bias)
         self.register_buffer("norm_weight", None if norm is None else norm.weight.detach().float().contiguous())
@@ -118,6 +118,14 @@ class GGUFLinear(nn.Module):
                                   self.out_features, norm, self.eps, self.gated, torch.get_num_threads())
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def pack_rows(ggml_type: int, rows: np.ndarray, in_features: int) -> np.ndarray:
+    """GGUF rows laid out as the kernel reads them (gguf_pack: the same bytes, blocks of 32 with their scales apart)."""
+    source = np.ascontiguousarray(rows, dtype=np.uint8)
+    packed = np.empty((rows.shape[0], _kernel().gguf_packed_row_bytes(ggml_type, in_features)), np.uint8)
+    _kernel().gguf_pack(ggml_type, source.ctypes.data, rows.shape[0], in_features, packed.ctypes.data)
+    return packed
 
 
 class FusedFeedForward(nn.Module):
@@ -205,7 +213,24 @@ def quantize_gguf(model: Transformer, blocks: dict | None, device: torch.device,
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """kernels/*.c built for this CPU (a second, once: cached by source, compiler, flags and the
+    """kernels/*.c built for this CPU and loaded, its entry points typed."""
+    lib = ctypes.CDLL(str(compile_kernel(KERNEL_SOURCES, extra_flags)))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer, ctypes.c_float,
+                                ctypes.c_int, ctypes.c_int]
+    lib.gguf_linear.restype = ctypes.c_int
+    lib.gguf_packed_row_bytes.argtypes = [ctypes.c_int, size]
+    lib.gguf_packed_row_bytes.restype = size
+    lib.gguf_pack.argtypes = [ctypes.c_int, pointer, size, size, pointer]
+    lib.gguf_pack.restype = None
+    lib.attention.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer, size, pointer,
+                              pointer, size, pointer, ctypes.c_int]
+    lib.attention.restype = None
+    return lib
+
+
+def compile_kernel(sources: list[Path], extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library of sources, built for this CPU (a second, once: cached by source, compiler, flags and the
     CPU's feature flags, since -march=native builds for the CPU it runs on and a home directory may be shared)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -214,28 +239,20 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     # which can differ between the 1-, 2- and 4-row loops: a row's bits must not depend on its batch (greedy
     # speculative decoding is exact only if a verify step computes what a decode step would)
     flags = ["-O3", "-march=native", *extra_flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-    sources = b"".join(path.read_bytes() for path in KERNEL_SOURCES)
-    key = hashlib.sha256(sources + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in sources)
+    key = hashlib.sha256(text + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autotune" / "kernels"
     library = cache_dir / f"gguf_linear-{key}.so"
     if not library.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([compiler, *flags, "-o", str(partial), *map(str, KERNEL_SOURCES)], capture_output=True,
+        built = subprocess.run([compiler, *flags, "-o", str(partial), *map(str, sources)], capture_output=True,
                                text=True, check=False)
         if built.returncode != 0:
             last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
             raise RuntimeError(f"building the gguf kernel with {compiler} failed: {last_line}")
         partial.replace(library)  # atomic: concurrent engines never load a half-written library
-    lib = ctypes.CDLL(str(library))
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.gguf_linear.argtypes = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer, ctypes.c_float,
-                                ctypes.c_int, ctypes.c_int]
-    lib.gguf_linear.restype = ctypes.c_int
-    lib.attention.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer, size, pointer,
-                              pointer, size, pointer, ctypes.c_int]
-    lib.attention.restype = None
-    return lib
+    return library
 
 
 def _cpu_flags() -> str:

@@ -1,4 +1,4 @@
-/* y[M, N] = norm(x)[M, K] @ W.T for W in a GGUF block format, read as the file stores it.
+/* y[M, N] = norm(x)[M, K] @ W.T for W in a GGUF block format, its blocks' bytes as the file stores them.
  *
  * As llama.cpp does, each row of x is first quantised to 8 bits, and a weight block meets the activations
  * as integer dot products (one VNNI instruction, or maddubs + madd, per 32 pairs), scaled in float only
@@ -6,9 +6,10 @@
  * The optional RMSNorm (norm != NULL) is applied in the same pass over x, so the norm costs no extra op.
  *
  * Formats with blocks of 32 meet x in 8-bit blocks of 32 (int8 q, float scale d, and d * sum(q): ggml's
- * vec_dot_q4_1_q8_1 and friends). Each block is decoded into 32 small integers w with a scale and a min,
- * the 32 weights being scale * w - min:
- *   Q4_0: d * (q - 8)     Q4_1: d * q + m     Q5_0: d * (q - 16)     Q5_1: d * q + m     Q8_0: d * q
+ * vec_dot_q4_1_q8_1 and friends), the 32 weights being d * q + m with small unsigned q (signed for Q8_0):
+ *   Q4_0: d * (q - 8), so m = -8d     Q4_1: d * q + m     Q5_0: m = -16d     Q5_1: d * q + m     Q8_0: d * q
+ * gguf_pack moves each row's scales apart from its quants (the same bytes), so 8 blocks' scales are one
+ * vector and two blocks' nibbles one 32-byte load; a row pays one float multiply-add per 2 blocks.
  * The K-quants (super-blocks of 256) meet x in 8-bit blocks of 256 (int8 q, one float d, and the integer
  * sum of q over each 16: ggml's block_q8_K and its bsums, as in vec_dot_q4_K_q8_K). A super-block is 8
  * sub-blocks of 32 unsigned q with an integer scale and min per 16 weights, weight = d * scale * q - dmin * min:
@@ -24,9 +25,25 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGML type numbers */
 
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline float half(const uint8_t *p) {  /* IEEE binary16 -> float, little-endian */
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+#ifdef __F16C__
+    return _cvtsh_ss((unsigned short)h);
+#endif
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = h >> 10 & 31, mantissa = h & 1023;
+    if (exponent == 0) return (sign ? -1.f : 1.f) * ldexpf((float)mantissa, -24);  /* zero, subnormal */
+    const uint32_t bits32 = sign | (exponent == 31 ? 0x7f800000u | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
+    float f;
+    memcpy(&f, &bits32, 4);
+    return f;
+}
+
 /* -- 32 bytes at a time: AVX2 (with VNNI where the compiler targets it), else plain C ---------------- */
 #ifdef __AVX2__
-#include <immintrin.h>
 typedef __m256i bytes32;
 typedef __m256i ints8;
 typedef __m256i shorts16;
@@ -37,35 +54,34 @@ static inline bytes32 bits(bytes32 v, int shift, uint8_t mask) {
     return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8((char)mask));
 }
 static inline bytes32 or_high(bytes32 low, bytes32 high) { return _mm256_or_si256(low, _mm256_slli_epi16(high, 4)); }
-static inline bytes32 minus(bytes32 v, int8_t c) { return _mm256_sub_epi8(v, _mm256_set1_epi8(c)); }
 /* 16 bytes of nibbles: the low ones are weights 0..15, the high ones 16..31 (Q4_0, Q4_1, Q5_0, Q5_1) */
 static inline bytes32 nibbles16(const uint8_t *q) {
     const __m128i v = _mm_loadu_si128((const __m128i *)q);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
 }
-/* 32 bits, little-endian, as 32 bytes: byte j is bit j (Q5_0, Q5_1's fifth bits) */
-static inline bytes32 bit_bytes(const uint8_t *p) {
-    uint32_t word;
-    memcpy(&word, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word),  /* byte j <- byte j / 8 */
-                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                  0x0303030303030303));
+/* Bits as bytes (Q5_0, Q5_1's fifth bits): byte j is bit j % 8 of p[i_(j / 8)], for i_0..i_3 < 8 */
+static inline bytes32 bit_bytes(const uint8_t *p, int i0, int i1, int i2, int i3) {
+    int64_t word;
+    memcpy(&word, p, 8);
+    const int64_t each = 0x0101010101010101;
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), _mm256_setr_epi64x(i0 * each, i1 * each,
+                                                                                             i2 * each, i3 * each));
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  /* byte j: bit j % 8 */
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
 }
-/* Dot products of unsigned w (< 128) with signed x, in 8 lanes of 4 pairs (lanes 0-3: weights 0..15). */
-static inline ints8 dot_unsigned(bytes32 w, bytes32 x) {
+/* acc + dot products of unsigned w (< 128) with signed x, in 8 lanes of 4 pairs (lanes 0-3: weights 0..15). */
+static inline ints8 dot_unsigned(ints8 acc, bytes32 w, bytes32 x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_epi32(acc, w, x);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else  /* pairs of products fit int16: |w| <= 64, |x| <= 127 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
 /* Signed w: |w| against x with w's sign moved onto x (w = -128 reads as 128 unsigned, still exact). */
-static inline ints8 dot_signed(bytes32 w, bytes32 x) {
-    return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+static inline ints8 dot_signed(ints8 acc, bytes32 w, bytes32 x) {
+    return dot_unsigned(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 /* acc + unsigned w (< 64) times signed x, each pair of products times its 16-bit scale: 8 lanes, lanes 0-3
  * weights 0..15 with scale lanes 0-7. A pair is at most 2 * 63 * 127, so maddubs never saturates. */
@@ -95,10 +111,25 @@ static inline shorts16 pick(shorts16 even_odd, int j) {
 static inline ints8 dot_shorts(shorts16 a, const int16_t *b) {
     return _mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)b));
 }
-static inline floats8 fma_scaled(floats8 acc, ints8 sums, float scale) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+static inline floats8 fma_scaled(floats8 acc, ints8 sums, floats8 scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
 }
 static inline floats8 zero8(void) { return _mm256_setzero_ps(); }
+static inline floats8 set8(float v) { return _mm256_set1_ps(v); }
+static inline floats8 load8(const float *p) { return _mm256_loadu_ps(p); }
+static inline floats8 halves8(const uint8_t *p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setr_ps(half(p), half(p + 2), half(p + 4), half(p + 6), half(p + 8), half(p + 10), half(p + 12), half(p + 14));
+#endif
+}
+static inline floats8 mul8(floats8 a, floats8 b) { return _mm256_mul_ps(a, b); }
+static inline floats8 fma8(floats8 a, floats8 b, floats8 acc) { return _mm256_fmadd_ps(a, b, acc); }
+/* lane lo of v in lanes 0-3, lane hi in lanes 4-7 */
+static inline floats8 lanes(floats8 v, int lo, int hi) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
+}
 static inline float sum8(floats8 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -118,28 +149,24 @@ static inline bytes32 or_high(bytes32 low, bytes32 high) {
     for (int j = 0; j < 32; j++) low.b[j] |= (uint8_t)(high.b[j] << 4);
     return low;
 }
-static inline bytes32 minus(bytes32 v, int8_t c) {
-    for (int j = 0; j < 32; j++) v.b[j] = (uint8_t)(v.b[j] - c);
-    return v;
-}
 static inline bytes32 nibbles16(const uint8_t *q) {
     bytes32 v;
     for (int j = 0; j < 16; j++) v.b[j] = q[j] & 15, v.b[16 + j] = q[j] >> 4;
     return v;
 }
-static inline bytes32 bit_bytes(const uint8_t *p) {
+static inline bytes32 bit_bytes(const uint8_t *p, int i0, int i1, int i2, int i3) {
+    const int at[4] = {i0, i1, i2, i3};
     bytes32 v;
-    for (int j = 0; j < 32; j++) v.b[j] = p[j / 8] >> (j % 8) & 1;
+    for (int j = 0; j < 32; j++) v.b[j] = p[at[j / 8]] >> (j % 8) & 1;
     return v;
 }
-static inline ints8 dot_lanes(bytes32 w, bytes32 x, int is_signed) {
-    ints8 s = {{0}};
+static inline ints8 dot_lanes(ints8 acc, bytes32 w, bytes32 x, int is_signed) {
     for (int j = 0; j < 32; j++)
-        s.i[j / 4] += (is_signed ? (int32_t)(int8_t)w.b[j] : (int32_t)w.b[j]) * (int32_t)(int8_t)x.b[j];
-    return s;
+        acc.i[j / 4] += (is_signed ? (int32_t)(int8_t)w.b[j] : (int32_t)w.b[j]) * (int32_t)(int8_t)x.b[j];
+    return acc;
 }
-static inline ints8 dot_unsigned(bytes32 w, bytes32 x) { return dot_lanes(w, x, 0); }
-static inline ints8 dot_signed(bytes32 w, bytes32 x) { return dot_lanes(w, x, 1); }
+static inline ints8 dot_unsigned(ints8 acc, bytes32 w, bytes32 x) { return dot_lanes(acc, w, x, 0); }
+static inline ints8 dot_signed(ints8 acc, bytes32 w, bytes32 x) { return dot_lanes(acc, w, x, 1); }
 static inline ints8 add_scaled_dot(ints8 acc, bytes32 w, bytes32 x, shorts16 scale) {
     for (int j = 0; j < 32; j++) acc.i[j / 4] += (int32_t)w.b[j] * (int32_t)(int8_t)x.b[j] * scale.h[j / 2];
     return acc;
@@ -173,30 +200,41 @@ static inline ints8 dot_shorts(shorts16 a, const int16_t *b) {
     for (int j = 0; j < 16; j++) s.i[j / 2] += (int32_t)a.h[j] * b[j];
     return s;
 }
-static inline floats8 fma_scaled(floats8 acc, ints8 sums, float scale) {
-    for (int j = 0; j < 8; j++) acc.f[j] += (float)sums.i[j] * scale;
+static inline floats8 fma_scaled(floats8 acc, ints8 sums, floats8 scale) {
+    for (int j = 0; j < 8; j++) acc.f[j] += (float)sums.i[j] * scale.f[j];
     return acc;
 }
 static inline floats8 zero8(void) { floats8 v = {{0}}; return v; }
+static inline floats8 set8(float v) {
+    floats8 out;
+    for (int j = 0; j < 8; j++) out.f[j] = v;
+    return out;
+}
+static inline floats8 load8(const float *p) { floats8 v; memcpy(v.f, p, 32); return v; }
+static inline floats8 halves8(const uint8_t *p) {
+    floats8 v;
+    for (int j = 0; j < 8; j++) v.f[j] = half(p + 2 * j);
+    return v;
+}
+static inline floats8 mul8(floats8 a, floats8 b) {
+    for (int j = 0; j < 8; j++) a.f[j] *= b.f[j];
+    return a;
+}
+static inline floats8 fma8(floats8 a, floats8 b, floats8 acc) {
+    for (int j = 0; j < 8; j++) acc.f[j] += a.f[j] * b.f[j];
+    return acc;
+}
+static inline floats8 lanes(floats8 v, int lo, int hi) {
+    floats8 out;
+    for (int j = 0; j < 8; j++) out.f[j] = v.f[j < 4 ? lo : hi];
+    return out;
+}
 static inline float sum8(floats8 v) {
     float s = 0.f;
     for (int j = 0; j < 8; j++) s += v.f[j];
     return s;
 }
 #endif
-
-static inline float half(const uint8_t *p) {  /* IEEE binary16 -> float, little-endian */
-    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
-#ifdef __F16C__
-    return _cvtsh_ss((unsigned short)h);
-#endif
-    const uint32_t sign = (h & 0x8000u) << 16, exponent = h >> 10 & 31, mantissa = h & 1023;
-    if (exponent == 0) return (sign ? -1.f : 1.f) * ldexpf((float)mantissa, -24);  /* zero, subnormal */
-    const uint32_t bits32 = sign | (exponent == 31 ? 0x7f800000u | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
-    float f;
-    memcpy(&f, &bits32, 4);
-    return f;
-}
 
 static inline int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 static inline int block_weights(int type) { return is_k_quant(type) ? 256 : 32; }
@@ -214,24 +252,37 @@ static inline int block_bytes(int type) {
 }
 
 /* -- x's rows in 8 bits ------------------------------------------------------------------------------ */
-/* Per row: q (K int8), and per block of 32 or 256 (the weight format's) a scale d. Blocks of 32 keep
- * s = d * sum(q) (what a block's min multiplies); blocks of 256 keep the integer sum of q over each 16, the
- * even 16s first, then the odd ones (the order in which a K-quant's per-16 scales are laid out for pick()). */
+/* Per row: q (K int8), and per block of 32 or 256 (the weight format's) a scale d, at d + row * per_row.
+ * Blocks of 32 also keep s = d * sum(q) (what a block's min multiplies), d and s padded with zeros to a
+ * multiple of 8 blocks (read 8 at a time), and q in pair order (pair_order). Blocks of 256 keep the integer
+ * sum of q over each 16, the even 16s first, then the odd ones (the order a K-quant's scales take for pick()). */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int16_t *sums;
+    int64_t per_row;  /* d's (and s's) a row */
 } Acts;
 
+static inline int64_t padded8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Blocks of 32 go in pairs: blocks 2p and 2p + 1 (A, B) as A[0..15] B[0..15] A[16..31] B[16..31], so that the
+ * low nibbles of one 32-byte load of both blocks' nibbles (A's 16 bytes, then B's) meet the first 32 bytes and
+ * the high nibbles the next 32, and a dot product's lanes 0-3 are A's, 4-7 B's. A last odd block stays as is. */
+static inline int64_t pair_order(int64_t b, int j, int64_t blocks) {
+    if (b == blocks - 1 && blocks % 2) return 32 * b + j;
+    return 64 * (b / 2) + 32 * (j / 16) + 16 * (b % 2) + j % 16;
+}
+
 static void quantize_row(const float *x, int64_t K, int block, const float *norm, float eps, int gated, int8_t *q,
-                         float *d, float *s, int16_t *sums) {
+                         float *d, float *s, int16_t *sums, int64_t per_row) {
     float inv_rms = 1.f;
     if (norm) {
         float squares = 0.f;
         for (int64_t k = 0; k < K; k++) squares += x[k] * x[k];
         inv_rms = 1.f / sqrtf(squares / (float)K + eps);
     }
-    for (int64_t b = 0; b < K / block; b++) {
+    const int64_t blocks = K / block;
+    for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = block * b;
         float v[256], amax = 0.f;
         for (int j = 0; j < block; j++) {
@@ -240,73 +291,128 @@ static void quantize_row(const float *x, int64_t K, int block, const float *norm
             amax = fmaxf(amax, fabsf(v[j]));
         }
         const float scale = amax / 127.f, inv = scale ? 1.f / scale : 0.f;
+        int8_t qb[256];
         int sum = 0;
         for (int j = 0; j < block; j++) {
-            q[at + j] = (int8_t)nearbyintf(v[j] * inv);
-            sum += q[at + j];
+            qb[j] = (int8_t)nearbyintf(v[j] * inv);
+            sum += qb[j];
         }
         d[b] = scale;
         if (block == 32) {
+            for (int j = 0; j < 32; j++) q[pair_order(b, j, blocks)] = qb[j];
             s[b] = scale * (float)sum;
             continue;
         }
+        memcpy(q + at, qb, 256);
         for (int g = 0; g < 16; g++) {
             int group = 0;
-            for (int j = 0; j < 16; j++) group += q[at + 16 * g + j];
+            for (int j = 0; j < 16; j++) group += qb[16 * g + j];
             sums[16 * b + (g % 2) * 8 + g / 2] = (int16_t)group;
         }
     }
+    for (int64_t b = blocks; b < per_row; b++) d[b] = s[b] = 0.f;
 }
 
-/* -- blocks of 32 ------------------------------------------------------------------------------------- */
-typedef struct {
-    bytes32 w;
-    float scale, min;  /* the 32 weights are scale * w - min */
-} Block;
+/* -- blocks of 32, repacked --------------------------------------------------------------------------- */
+/* gguf_pack lays a row of 32-weight blocks out as: the quants (16 bytes of nibbles a block; Q8_0's 32 bytes in
+ * pair order), Q5_0/Q5_1's fifth bits (4 bytes a block), then the fp16 scales d and, for Q4_1/Q5_1, the mins m,
+ * each padded with zeros to a multiple of 8 blocks. The same bytes as the file's, but 8 blocks' scales are one
+ * vector load, and a row pays one float multiply-add per pair of blocks (ggml's blocks interleave them). */
+static inline int quant_bytes(int type) { return type == Q8_0 ? 32 : 16; }
+static inline int has_fifth_bit(int type) { return type == Q5_0 || type == Q5_1; }
+static inline int has_m(int type) { return type == Q4_1 || type == Q5_1; }
 
-static inline int is_signed(int type) { return type == Q4_0 || type == Q5_0 || type == Q8_0; }
-static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+int64_t gguf_packed_row_bytes(int type, int64_t K) {
+    if (is_k_quant(type)) return K / 256 * block_bytes(type);  /* super-blocks run as stored */
+    const int64_t blocks = K / 32;
+    return blocks * (quant_bytes(type) + (has_fifth_bit(type) ? 4 : 0)) + padded8(blocks) * (has_m(type) ? 4 : 2);
+}
 
-static inline Block decode(int type, const uint8_t *b) {
-    Block g;
-    g.scale = half(b);
-    g.min = has_min(type) ? -half(b + 2) : 0.f;
-    switch (type) {
-    case Q8_0: g.w = load32(b + 2); break;
-    case Q4_0: g.w = minus(nibbles16(b + 2), 8); break;
-    case Q4_1: g.w = nibbles16(b + 4); break;
-    case Q5_0: g.w = minus(or_high(nibbles16(b + 6), bit_bytes(b + 2)), 16); break;
-    default: g.w = or_high(nibbles16(b + 8), bit_bytes(b + 4)); break;  /* Q5_1 */
+/* w: N rows of K weights as the file stores them -> out: N rows of gguf_packed_row_bytes. */
+void gguf_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t blocks = K / 32, in_row = K / block_weights(type) * block_bytes(type);
+    const int64_t out_row = gguf_packed_row_bytes(type, K);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *src = w + n * in_row;
+        uint8_t *qs = out + n * out_row;
+        if (is_k_quant(type)) {
+            memcpy(qs, src, (size_t)in_row);
+            continue;
+        }
+        memset(qs, 0, (size_t)out_row);
+        uint8_t *qh = qs + blocks * quant_bytes(type), *d = qh + (has_fifth_bit(type) ? 4 * blocks : 0);
+        uint8_t *m = d + 2 * padded8(blocks);
+        for (int64_t b = 0; b < blocks; b++) {  /* a block: d, [m], [qh], quants (ggml's block_q4_0 etc.) */
+            const uint8_t *block = src + b * block_bytes(type), *q = block + (has_m(type) ? 4 : 2);
+            memcpy(d + 2 * b, block, 2);
+            if (has_m(type)) memcpy(m + 2 * b, block + 2, 2);
+            if (has_fifth_bit(type)) memcpy(qh + 4 * b, q, 4), q += 4;
+            if (type == Q8_0)
+                for (int j = 0; j < 32; j++) qs[pair_order(b, j, blocks)] = q[j];
+            else
+                memcpy(qs + 16 * b, q, 16);
+        }
     }
-    return g;
 }
 
-/* Output n for R rows of x (from row r): every weight block is decoded once and used R times. type and R
- * are constants where this is inlined, so each (format, R) pair compiles to its own loop. */
+/* Blocks b and b + 1's weights as lo (meeting x's first 32 bytes of the pair) and hi, or a last odd block b in lo. */
+static inline void pair_weights(int type, const uint8_t *qs, const uint8_t *qh, int64_t b, int single, bytes32 *lo,
+                                bytes32 *hi) {
+    if (type == Q8_0) {
+        *lo = load32(qs + 32 * b);
+        *hi = single ? *lo : load32(qs + 32 * b + 32);
+        return;
+    }
+    if (single) {
+        *lo = nibbles16(qs + 16 * b);
+        if (has_fifth_bit(type)) *lo = or_high(*lo, bit_bytes(qh + 4 * b, 0, 1, 2, 3));
+        *hi = *lo;
+        return;
+    }
+    const bytes32 both = load32(qs + 16 * b);
+    *lo = bits(both, 0, 15), *hi = bits(both, 4, 15);
+    if (has_fifth_bit(type)) {  /* A's bits 0-15 and B's 0-15 (bytes 0, 1, 4, 5 of the pair's 8), then 16-31 */
+        *lo = or_high(*lo, bit_bytes(qh + 4 * b, 0, 1, 4, 5));
+        *hi = or_high(*hi, bit_bytes(qh + 4 * b, 2, 3, 6, 7));
+    }
+}
+
+/* Output n for R rows of x (from row r): every pair of weight blocks is unpacked once and used R times. type
+ * and R are constants where this is inlined, so each (format, R) pair compiles to its own loop. */
 static inline __attribute__((always_inline)) void dot_rows(int type, int R, const uint8_t *w_row, int64_t K,
                                                            const Acts *a, int64_t r, float *y, int64_t ldy) {
-    /* two accumulators a row, taken in turn, so one block's multiply-add need not wait for the last's */
-    floats8 acc[4], other[4];
-    float mins[4], other_mins[4];
-    for (int i = 0; i < R; i++) acc[i] = other[i] = zero8(), mins[i] = other_mins[i] = 0.f;
-    const int bytes = block_bytes(type);
-    for (int64_t block = 0; block < K / 32; block++) {
-        const Block g = decode(type, w_row + block * bytes);
+    const int64_t blocks = K / 32;
+    const uint8_t *qs = w_row, *qh = qs + blocks * quant_bytes(type);
+    const uint8_t *d = qh + (has_fifth_bit(type) ? 4 * blocks : 0), *m = d + 2 * padded8(blocks);
+    /* two accumulators a row, taken in turn, so one pair's multiply-add need not wait for the last's */
+    floats8 acc[4], other[4], mins[4];
+    for (int i = 0; i < R; i++) acc[i] = other[i] = mins[i] = zero8();
+    for (int64_t c = 0; c < blocks; c += 8) {  /* 8 blocks, whose scales are one vector */
+        const floats8 wd = halves8(d + 2 * c);
+        /* what x's sums multiply: Q4_1's and Q5_1's m; Q4_0's d * (q - 8) is d * q - 8d, Q5_0's - 16d */
+        const floats8 wm = has_m(type) ? halves8(m + 2 * c) : mul8(wd, set8(type == Q4_0 ? -8.f : -16.f));
+        floats8 scale[4];
         for (int i = 0; i < R; i++) {
-            const int64_t at = (r + i) * (K / 32) + block;
-            const bytes32 x = load32((const uint8_t *)(a->q + 32 * at));
-            const floats8 previous = acc[i];
-            acc[i] = other[i];
-            other[i] = fma_scaled(previous, is_signed(type) ? dot_signed(g.w, x) : dot_unsigned(g.w, x),
-                                  g.scale * a->d[at]);
-            if (has_min(type)) {
-                const float previous_min = mins[i];
-                mins[i] = other_mins[i];
-                other_mins[i] = previous_min + g.min * a->s[at];
+            const int64_t at = (r + i) * a->per_row + c;
+            scale[i] = mul8(wd, load8(a->d + at));
+            if (type != Q8_0) mins[i] = fma8(wm, load8(a->s + at), mins[i]);
+        }
+        for (int k = 0; k < 8 && c + k < blocks; k += 2) {
+            const int64_t b = c + k;
+            const int single = b + 1 == blocks;
+            bytes32 lo, hi;
+            pair_weights(type, qs, qh, b, single, &lo, &hi);
+            for (int i = 0; i < R; i++) {
+                const uint8_t *x = (const uint8_t *)(a->q + (r + i) * K + 32 * b);
+                ints8 dot = type == Q8_0 ? dot_signed(zero_ints(), lo, load32(x)) : dot_unsigned(zero_ints(), lo, load32(x));
+                if (!single) dot = type == Q8_0 ? dot_signed(dot, hi, load32(x + 32)) : dot_unsigned(dot, hi, load32(x + 32));
+                const floats8 previous = acc[i];
+                acc[i] = other[i];
+                other[i] = fma_scaled(previous, dot, lanes(scale[i], k, single ? k : k + 1));
             }
         }
     }
-    for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) + sum8(other[i]) - mins[i] - other_mins[i];
+    for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) + sum8(other[i]) + sum8(mins[i]);
 }
 
 /* -- K-quant super-blocks of 256 ---------------------------------------------------------------------- */
@@ -372,8 +478,8 @@ static inline __attribute__((always_inline)) void dot_rows_k(int type, int R, co
         }
         for (int i = 0; i < R; i++) {
             const int64_t at = (r + i) * supers + sb;
-            acc[i] = fma_scaled(acc[i], add_ints(even[i], odd[i]), s.d * a->d[at]);
-            acc_min[i] = fma_scaled(acc_min[i], dot_shorts(s.mins, a->sums + 16 * at), s.dmin * a->d[at]);
+            acc[i] = fma_scaled(acc[i], add_ints(even[i], odd[i]), set8(s.d * a->d[at]));
+            acc_min[i] = fma_scaled(acc_min[i], dot_shorts(s.mins, a->sums + 16 * at), set8(s.dmin * a->d[at]));
         }
     }
     for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) - sum8(acc_min[i]);
@@ -412,7 +518,7 @@ static RowsFn rows_of(int type) {
 
 #define ROW_TILE 16  /* rows of x that stay in L1 while every output n runs over them */
 
-/* w: N rows of K / block_weights(type) blocks. y: row i of the output at y + i * ldy (a column slice of a
+/* w: N rows of K weights as gguf_pack lays them out. y: row i of the output at y + i * ldy (a column slice of a
  * wider output when a fused layer's parts differ in format). gated: x's rows hold 2K values, gate then up,
  * and the layer's input is silu(gate) * up (SwiGLU, applied here instead of in three PyTorch ops).
  * Returns 0, or -1 for an unknown type. */
@@ -421,12 +527,13 @@ int gguf_linear(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     const RowsFn rows = rows_of(type);
     if (!rows) return -1;
     const int block = block_weights(type);
-    Acts a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / block)),
-              malloc(sizeof(float) * (size_t)(M * K / block)), malloc(sizeof(int16_t) * (size_t)(M * K / 16))};
+    const int64_t per_row = block == 32 ? padded8(K / 32) : K / 256;
+    Acts a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * per_row)),
+              malloc(sizeof(float) * (size_t)(M * per_row)), malloc(sizeof(int16_t) * (size_t)(M * K / 16)), per_row};
     for (int64_t i = 0; i < M; i++)
-        quantize_row(x + i * K * (gated ? 2 : 1), K, block, norm, eps, gated, a.q + i * K, a.d + i * (K / block),
-                     a.s + i * (K / block), a.sums + i * (K / 16));
-    const int64_t row_bytes = K / block * block_bytes(type);
+        quantize_row(x + i * K * (gated ? 2 : 1), K, block, norm, eps, gated, a.q + i * K, a.d + i * per_row,
+                     a.s + i * per_row, a.sums + i * (K / 16), per_row);
+    const int64_t row_bytes = gguf_packed_row_bytes(type, K);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
         const int64_t end = M - r0 < ROW_TILE ? M : r0 + ROW_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
