@@ -1,11 +1,12 @@
 """GGUF blocks run natively (quantization gguf): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
 
 The kernel (autotune/embedded/kernels/gguf_linear.c) quantises activations to 8-bit blocks (of 32 for the
-32-weight formats, of 256 for the K-quants, llama.cpp's Q8_0 and Q8_K) and takes integer dot products with the
-blocks as stored, as llama.cpp does. So its output must equal gguf's own dequantisation (gguf.quants.dequantize)
+32-weight formats, of 256 for the K-quants: llama.cpp's Q8_0 and Q8_K) and takes integer dot products with the
+blocks' bytes, as llama.cpp does. So its output must equal gguf's own dequantisation (gguf.quants.dequantize)
 applied to both sides, to float rounding, for every format and every code path the compiler can pick (AVX2 with
-VNNI, AVX2 without, plain C), and stay within the 8-bit activations' error of the float32 matmul. End to end, a K-quant GGUF loads, serves over HTTP, and its greedy
-tokens follow the float32 path's except at near ties.
+AVX-512 and VNNI, AVX2 without either, plain C), and stay within the 8-bit activations' error of the float32
+matmul. End to end, a K-quant GGUF loads, serves over HTTP, and its greedy tokens follow the float32 path's
+except at near ties.
 """
 import platform
 
@@ -14,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import quants
 from test_embedded_model import greedy  # prefill, then one token a step: the engine's plain decode
 
@@ -26,7 +28,7 @@ FORMATS = [name for name, _, _ in GGML_BLOCKS.values()]
 TYPES = {name: ggml_type for ggml_type, (name, _, _) in GGML_BLOCKS.items()}
 # The kernel's code paths, as compiler flags on top of -march=native: each builds on any x86-64 (a path the
 # CPU lacks falls back to the next one down), so the test asks for no particular CPU feature.
-X86_PATHS = {"native": (), "avx2 without vnni": ("-mno-avx512vnni", "-mno-avxvnni"),
+X86_PATHS = {"native": (), "avx2 without avx-512 or vnni": ("-mno-avx512f", "-mno-avxvnni"),
              "plain C": ("-mno-avx2", "-mno-f16c")}
 PATHS = X86_PATHS if platform.machine() in ("x86_64", "AMD64") else {"native": ()}
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -199,6 +201,22 @@ def test_folded_rmsnorm_equals_the_norm_then_the_layer(kernel_path, real_weights
     folded = GGUFLinear([(TYPES["Q6_K"], rows)], 512, norm=norm)(x).double().numpy()
     exact = q8_reference(norm(x).detach().numpy(), 256).astype(np.float64) @ dequantised(rows, "Q6_K").T
     # the C kernel's sum of squares rounds differently from torch's: an 8-bit step may land one level over
+    assert np.linalg.norm(folded - exact) < 1e-3 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+def test_folded_swiglu_equals_silu_times_up_then_the_layer(kernel_path, real_weights, name):
+    """The down projection's input silu(gate) * up is computed by the kernel as it quantises x (its own e^x on
+    AVX2), over the whole range of gate: saturated negative, around 0, large positive."""
+    rows = encode(real_weights[:64, :512], name)
+    layer = GGUFLinear([(TYPES[name], rows)], 512)
+    layer.gated = True
+    gate = torch.cat([torch.linspace(-100, 100, 256), torch.randn(256) * 4])[torch.randperm(512)]
+    x = torch.stack([torch.cat([gate.roll(i), torch.randn(512)]) for i in range(5)])
+    folded = layer(x).double().numpy()
+    swiglu = (F.silu(x[:, :512].double()) * x[:, 512:].double()).float().numpy()
+    exact = q8_reference(swiglu, GGML_BLOCKS[TYPES[name]][1]).astype(np.float64) @ dequantised(rows, name).T
+    # e^x's last bit may move an 8-bit step one level over
     assert np.linalg.norm(folded - exact) < 1e-3 * np.linalg.norm(exact)
 
 

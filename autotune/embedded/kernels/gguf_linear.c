@@ -59,15 +59,20 @@ static inline bytes32 nibbles16(const uint8_t *q) {
     const __m128i v = _mm_loadu_si128((const __m128i *)q);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
 }
-/* Bits as bytes (Q5_0, Q5_1's fifth bits): byte j is bit j % 8 of p[i_(j / 8)], for i_0..i_3 < 8 */
-static inline bytes32 bit_bytes(const uint8_t *p, int i0, int i1, int i2, int i3) {
-    int64_t word;
-    memcpy(&word, p, 8);
-    const int64_t each = 0x0101010101010101;
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), _mm256_setr_epi64x(i0 * each, i1 * each,
-                                                                                             i2 * each, i3 * each));
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  /* byte j: bit j % 8 */
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(1));
+/* low (bytes < 16) with 16 added to byte j where bit j of the 32 little-endian bits at p is set (Q5's 5th bits) */
+static inline bytes32 fifth_bits(bytes32 low, const uint8_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(low, (__mmask32)word, low, _mm256_set1_epi8(16));
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word),  /* byte j <- byte j / 8 */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);  /* byte j: bit j % 8 */
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 /* acc + dot products of unsigned w (< 128) with signed x, in 8 lanes of 4 pairs (lanes 0-3: weights 0..15). */
 static inline ints8 dot_unsigned(ints8 acc, bytes32 w, bytes32 x) {
@@ -130,6 +135,24 @@ static inline floats8 fma8(floats8 a, floats8 b, floats8 acc) { return _mm256_fm
 static inline floats8 lanes(floats8 v, int lo, int hi) {
     return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
 }
+/* e^x: 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to r^6 (relative error
+ * ~1e-7); x is clamped to [-87.3, 88.3], where 2^n stays a normal float */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln 2, with ln 2 in two parts so n * (high part) is exact */
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    const float terms[6] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int k = 0; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(terms[k]));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+/* out = silu(gate) * up for 8 values: SwiGLU, gate / (1 + e^-gate) * up */
+static inline void swiglu8(const float *gate, const float *up, float *out) {
+    const __m256 g = _mm256_loadu_ps(gate), e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(up)));
+}
 static inline float sum8(floats8 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -154,11 +177,9 @@ static inline bytes32 nibbles16(const uint8_t *q) {
     for (int j = 0; j < 16; j++) v.b[j] = q[j] & 15, v.b[16 + j] = q[j] >> 4;
     return v;
 }
-static inline bytes32 bit_bytes(const uint8_t *p, int i0, int i1, int i2, int i3) {
-    const int at[4] = {i0, i1, i2, i3};
-    bytes32 v;
-    for (int j = 0; j < 32; j++) v.b[j] = p[at[j / 8]] >> (j % 8) & 1;
-    return v;
+static inline bytes32 fifth_bits(bytes32 low, const uint8_t *p) {
+    for (int j = 0; j < 32; j++) low.b[j] |= (uint8_t)((p[j / 8] >> (j % 8) & 1) << 4);
+    return low;
 }
 static inline ints8 dot_lanes(ints8 acc, bytes32 w, bytes32 x, int is_signed) {
     for (int j = 0; j < 32; j++)
@@ -229,6 +250,9 @@ static inline floats8 lanes(floats8 v, int lo, int hi) {
     for (int j = 0; j < 8; j++) out.f[j] = v.f[j < 4 ? lo : hi];
     return out;
 }
+static inline void swiglu8(const float *gate, const float *up, float *out) {
+    for (int j = 0; j < 8; j++) out[j] = gate[j] / (1.f + expf(-gate[j])) * up[j];
+}
 static inline float sum8(floats8 v) {
     float s = 0.f;
     for (int j = 0; j < 8; j++) s += v.f[j];
@@ -285,11 +309,10 @@ static void quantize_row(const float *x, int64_t K, int block, const float *norm
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = block * b;
         float v[256], amax = 0.f;
-        for (int j = 0; j < block; j++) {
-            const float xj = x[at + j];
-            v[j] = gated ? xj / (1.f + expf(-xj)) * x[K + at + j] : norm ? xj * inv_rms * norm[at + j] : xj;
-            amax = fmaxf(amax, fabsf(v[j]));
-        }
+        for (int j = 0; j < block; j += 8)
+            if (gated) swiglu8(x + at + j, x + K + at + j, v + j);
+            else for (int k = j; k < j + 8; k++) v[k] = norm ? x[at + k] * inv_rms * norm[at + k] : x[at + k];
+        for (int j = 0; j < block; j++) amax = fmaxf(amax, fabsf(v[j]));
         const float scale = amax / 127.f, inv = scale ? 1.f / scale : 0.f;
         int8_t qb[256];
         int sum = 0;
@@ -315,7 +338,7 @@ static void quantize_row(const float *x, int64_t K, int block, const float *norm
 
 /* -- blocks of 32, repacked --------------------------------------------------------------------------- */
 /* gguf_pack lays a row of 32-weight blocks out as: the quants (16 bytes of nibbles a block; Q8_0's 32 bytes in
- * pair order), Q5_0/Q5_1's fifth bits (4 bytes a block), then the fp16 scales d and, for Q4_1/Q5_1, the mins m,
+ * pair order), Q5_0/Q5_1's fifth bits (32 a block, in pair order), then the fp16 scales d and, for Q4_1/Q5_1, the mins m,
  * each padded with zeros to a multiple of 8 blocks. The same bytes as the file's, but 8 blocks' scales are one
  * vector load, and a row pays one float multiply-add per pair of blocks (ggml's blocks interleave them). */
 static inline int quant_bytes(int type) { return type == Q8_0 ? 32 : 16; }
@@ -346,7 +369,11 @@ void gguf_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
             const uint8_t *block = src + b * block_bytes(type), *q = block + (has_m(type) ? 4 : 2);
             memcpy(d + 2 * b, block, 2);
             if (has_m(type)) memcpy(m + 2 * b, block + 2, 2);
-            if (has_fifth_bit(type)) memcpy(qh + 4 * b, q, 4), q += 4;
+            for (int j = 0; has_fifth_bit(type) && j < 32; j++) {
+                const int64_t at = pair_order(b, j, blocks);
+                qh[at / 8] |= (uint8_t)((q[j / 8] >> (j % 8) & 1) << (at % 8));
+            }
+            q += has_fifth_bit(type) ? 4 : 0;
             if (type == Q8_0)
                 for (int j = 0; j < 32; j++) qs[pair_order(b, j, blocks)] = q[j];
             else
@@ -365,16 +392,13 @@ static inline void pair_weights(int type, const uint8_t *qs, const uint8_t *qh, 
     }
     if (single) {
         *lo = nibbles16(qs + 16 * b);
-        if (has_fifth_bit(type)) *lo = or_high(*lo, bit_bytes(qh + 4 * b, 0, 1, 2, 3));
+        if (has_fifth_bit(type)) *lo = fifth_bits(*lo, qh + 4 * b);
         *hi = *lo;
         return;
     }
     const bytes32 both = load32(qs + 16 * b);
     *lo = bits(both, 0, 15), *hi = bits(both, 4, 15);
-    if (has_fifth_bit(type)) {  /* A's bits 0-15 and B's 0-15 (bytes 0, 1, 4, 5 of the pair's 8), then 16-31 */
-        *lo = or_high(*lo, bit_bytes(qh + 4 * b, 0, 1, 4, 5));
-        *hi = or_high(*hi, bit_bytes(qh + 4 * b, 2, 3, 6, 7));
-    }
+    if (has_fifth_bit(type)) *lo = fifth_bits(*lo, qh + 4 * b), *hi = fifth_bits(*hi, qh + 4 * b + 4);
 }
 
 /* Output n for R rows of x (from row r): every pair of weight blocks is unpacked once and used R times. type
