@@ -179,29 +179,26 @@ def prefill(target, row_prompts: list[int], prompts: list[list[int]], cache: KVC
     return logits
 
 
-def padded(group: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Token ids [B, T] (zero-padded at the end: causal attention never reads the padding), positions, and the
-    first position whose logits are read (the one before the first generated token of the shortest prompt)."""
+def padded(group: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T], padded on the left so that every row's generated tokens fill its last G columns, and their
+    positions: a row's own tokens at 0..len-1, its padding after them (len..T-1), which causal attention never
+    lets a real token see. The head then runs on the last G + 1 columns only."""
     width = max(len(s["tokens"]) for s in group)
     ids = torch.zeros((len(group), width), dtype=torch.long)
+    positions = torch.empty((len(group), width), dtype=torch.long)
     for row, s in enumerate(group):
-        ids[row, : len(s["tokens"])] = torch.from_numpy(s["tokens"])
-    return ids.to(device), torch.arange(width, device=device).expand(len(group), -1), min(s["prompt_len"] for s in group) - 1
-
-
-def generated_positions(group: list[dict], logits_from: int, device) -> torch.Tensor:
-    """[B, G] indices into logits[:, logits_from:] of the positions that predict each generated token."""
-    starts = torch.tensor([s["prompt_len"] - 1 - logits_from for s in group], device=device)
-    return starts[:, None] + torch.arange(len(group[0]["tokens"]) - group[0]["prompt_len"], device=device)
+        length = len(s["tokens"])
+        ids[row, width - length :] = torch.from_numpy(s["tokens"])
+        positions[row] = torch.cat([torch.arange(length, width), torch.arange(length)])
+    return ids.to(device), positions.to(device)
 
 
 def forward(model, group: list[dict], device) -> torch.Tensor:
-    """The model's logits [B, G, V'] at the positions predicting each sequence's generated tokens."""
-    ids, positions, logits_from = padded(group, device)
+    """The model's logits [B, G, V'] at the positions predicting each sequence's G generated tokens."""
+    ids, positions = padded(group, device)
+    generated = len(group[0]["tokens"]) - group[0]["prompt_len"]
     cache = KVCache(model.args, len(group), ids.shape[1], torch.float32, device)
-    logits = model(ids, positions, cache, kv_len=ids.shape[1], logits_from=logits_from)
-    index = generated_positions(group, logits_from, device)
-    return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+    return model(ids, positions, cache, kv_len=ids.shape[1], logits_from=ids.shape[1] - generated - 1)[:, :generated]
 
 
 @torch.no_grad()
