@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import time
@@ -18,13 +19,14 @@ from autotune.hardware import probe
 
 
 def commit() -> str | None:
-    """The autotune commit that produced the numbers (None outside a git checkout)."""
+    """The autotune commit that produced the numbers: the checkout's HEAD, else AUTOTUNE_COMMIT (the commit a
+    `git archive` export came from: it has no .git), else None."""
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                               text=True, timeout=10, check=False)
     except OSError:
-        return None
-    return done.stdout.strip() or None
+        done = None
+    return (done and done.returncode == 0 and done.stdout.strip()) or os.environ.get("AUTOTUNE_COMMIT") or None
 
 
 def fast_dtypes(hardware) -> list[str]:

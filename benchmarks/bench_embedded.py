@@ -61,6 +61,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from autotune import provenance
 from autotune.embedded import weights
 from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
 from autotune.embedded.scheduler import Engine
@@ -279,7 +280,7 @@ def peer_llamacpp(args) -> None:
     from autotune.engines.llamacpp import INSTALL_HINT, find_binary
 
     began = time.monotonic()
-    commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", "autotune").splitlines()
+    commit, dirty = provenance.commit(), git("status", "--porcelain", "--", "autotune").splitlines()
     binary = find_binary()
     if not binary:
         raise SystemExit(f"llama-server not found: {INSTALL_HINT}")

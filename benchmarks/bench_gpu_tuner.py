@@ -42,6 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from autotune import provenance
 from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
 from autotune.engines import get_adapter
@@ -278,10 +279,7 @@ def summarize(args):
         if str(c) in confirmed:
             row["confirm"] = confirmed[str(c)]
         rows.append(row)
-    # AUTOTUNE_COMMIT: the commit a device run's `git archive` came from (the archive has no .git)
-    commit = os.environ.get("AUTOTUNE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-    summary = {"commit": commit, **doc["settings"], "rows": rows,
+    summary = {"commit": provenance.commit(), **doc["settings"], "rows": rows,
                **({"sweep_from": str(sweep_dir)} if args.sweep_dir else {})}
     sweep_path(out, args.engine, "summary").write_text(json.dumps(summary, indent=1) + "\n")
     print(yaml.safe_dump(summary, sort_keys=False))

@@ -1,7 +1,7 @@
 """The Triton step attention (kernels/step_attention.py) against SDPA, run by Triton's interpreter on the CPU.
 
 TRITON_INTERPRET=1 makes @triton.jit kernels run as NumPy on CPU tensors: the same kernel code the H200 runs,
-checked here without a GPU (speed is measured on the device: benchmarks/results/h200-2026-12-02).
+checked here without a GPU (speed is measured on the device: benchmarks/results/h200-2026-12-01e).
 """
 import os
 import subprocess

@@ -2,7 +2,7 @@
 
 Why: SDPA with the position mask runs such a step as one tile of queries walking all 2065 cache
 positions in sequence: 66 us a layer for a 5-wide verify step on the H200, against 5 us for a 1-wide
-step, so every verify step cost 2.5 plain steps (benchmarks/results/h200-2026-12-02/parts.json). Here
+step, so every verify step cost 2.5 plain steps (benchmarks/results/h200-2026-12-01e/parts.json). Here
 the cache is split into chunks that run in parallel (flash-decoding), each chunk stops at the row's
 last position, and the two passes are:
 
