@@ -15,10 +15,12 @@
 3. Training: at every generated position, KL(p_S || q) weighted by p(S), with p_S the target's law
    restricted to the subset S and renormalised (KL(p || q) itself is infinite: q is 0 outside S),
    AdamW, linear decay over --train-seconds.
+   Every ~10 s the held-out-of-training prompts are scored and the weights of the lowest subset KL there
+   are the ones written (early stopping on a validation set; the estimator's eval prompts are never used).
 4. Output: DIR/draft.gguf (Q8_0 blocks: the C kernel runs them with --quantization gguf) and
-   DIR/distill.json: settings, data sizes, losses, and on the held-out prompts the draft's top-1
-   agreement with the target and its expected acceptance sum_x min(p, q) at temperature 1, before
-   training and for the written checkpoint as it loads.
+   DIR/distill.json: settings, data sizes, the loss curve, and on the held-out-of-training prompts the draft's
+   top-1 agreement with the target, its expected acceptance sum_x min(p, q) at temperature 1 and its subset
+   KL, before training, at every check, and for the written checkpoint as it loads.
 """
 import argparse
 import json
@@ -77,7 +79,7 @@ def main():
     draft = initial_draft(target, subset, args.layers, device)
     before = agreement(draft, held, subset, args.batch, device)
     timeline.append(log(start, f"before training, held out: {json.dumps(before)}"))
-    losses = train_draft(draft, train, args, device, start)
+    curve, kept = train_draft(draft, train, held, subset, args, device, start)
     path = write_gguf(out / "draft.gguf", draft, subset.cpu(), target)
     served = load_draft_model(str(path), target, "float32", str(device))
     after = agreement(served.model, held, served.vocab_subset, args.batch, device)
@@ -90,8 +92,8 @@ def main():
         "sequences": {"train": len(train), "held_out_of_training": len(held)},
         "generated_tokens": {"train": sum(args.new_tokens for _ in train), "held_out_of_training": len(held) * args.new_tokens},
         "temperatures": "sample 0 greedy, sample s at s / (samples - 1)", "subset_coverage": coverage,
-        "loss": {"first": losses[0]["loss"], "last": losses[-1]["loss"], "steps": losses[-1]["step"], "curve": losses},
-        "held_out_before_training": before, "held_out_checkpoint": after,
+        "loss": {"first": curve[0]["loss"], "last": curve[-1]["loss"], "steps": curve[-1]["step"], "curve": curve},
+        "held_out_before_training": before, "kept_step": kept["step"], "held_out_checkpoint": after,
         "checkpoint": {"path": path.name, "bytes": path.stat().st_size, "layers": args.layers, "vocab_subset": args.vocab,
                        "format": "GGUF, Q8_0 matrices; token embedding and tokenizer borrowed from the target"},
         "seconds": round(time.perf_counter() - start, 1), "timeline": timeline,
@@ -237,14 +239,27 @@ def subset_kl(draft_logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return ((torch.xlogy(p, p) - p * torch.log_softmax(draft_logits.float(), -1)).sum(-1) - torch.xlogy(mass, mass)).mean()
 
 
-def train_draft(draft, train: list[dict], args, device, start: float) -> list[dict]:
+def train_draft(draft, train: list[dict], held: list[dict], subset: torch.Tensor, args, device, start: float):
+    """Train for args.train_seconds; every ~10 s (and at the end) the held-out-of-training prompts' numbers are taken,
+    and the weights of the check with the lowest subset KL there are kept (early stopping on a validation set that
+    shares no prompt with the estimator's eval). Returns the loss curve and the kept check."""
     params = [p for name, p in draft.named_parameters() if not name.startswith("tok_embeddings")]
     draft.train()
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
-    losses, step, began, last_print = [], 0, time.perf_counter(), 0.0
+    curve, best, kept, step, began, last_check = [], None, None, 0, time.perf_counter(), 0.0
+
+    def check(elapsed: float, loss: float):
+        nonlocal best, kept
+        curve.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss, 4),
+                      "held_out": agreement(draft, held, subset, args.batch, device)})
+        log(start, f"step {step}: loss {curve[-1]['loss']}, held out {json.dumps(curve[-1]['held_out'])}")
+        if best is None or curve[-1]["held_out"]["subset_kl"] < best["held_out"]["subset_kl"]:
+            best = curve[-1]
+            kept = {name: t.detach().clone() for name, t in draft.state_dict().items() if not name.startswith("tok_embeddings")}
+
     while (elapsed := time.perf_counter() - began) < args.train_seconds:
         for group in optimizer.param_groups:  # linear decay to 0 at the time budget, after a short warm-up
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1 - elapsed / args.train_seconds)
@@ -255,13 +270,13 @@ def train_draft(draft, train: list[dict], args, device, start: float) -> list[di
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
-        if step == 1 or elapsed - last_print > 10:
-            losses.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4)})
-            log(start, f"step {step}: loss {losses[-1]['loss']}")
-            last_print = elapsed
-    losses.append({"step": step, "seconds": round(time.perf_counter() - began, 1), "loss": round(loss.item(), 4)})
+        if step == 1 or elapsed - last_check > 10:
+            check(elapsed, loss.item())
+            last_check = time.perf_counter() - began
+    check(time.perf_counter() - began, loss.item())
+    draft.load_state_dict(kept, strict=False)
     draft.eval().requires_grad_(False)
-    return losses
+    return curve, best
 
 
 @torch.no_grad()
