@@ -337,13 +337,18 @@ static void quantize_row(const float *x, int64_t K, int block, const float *norm
 }
 
 /* -- blocks of 32, repacked --------------------------------------------------------------------------- */
-/* gguf_pack lays a row of 32-weight blocks out as: the quants (16 bytes of nibbles a block; Q8_0's 32 bytes in
- * pair order), Q5_0/Q5_1's fifth bits (32 a block, in pair order), then the fp16 scales d and, for Q4_1/Q5_1, the mins m,
- * each padded with zeros to a multiple of 8 blocks. The same bytes as the file's, but 8 blocks' scales are one
- * vector load, and a row pays one float multiply-add per pair of blocks (ggml's blocks interleave them). */
+/* gguf_pack lays a row of 32-weight blocks out as: the fp16 scales d and, for Q4_1/Q5_1, the mins m, each padded
+ * with zeros to a multiple of 8 blocks; Q5_0/Q5_1's fifth bits (32 a block, in pair order); the quants (16 bytes of
+ * nibbles a block; Q8_0's 32 bytes in pair order). The same bytes as the file's, but 8 blocks' scales are one
+ * vector load, and a row pays one float multiply-add per pair of blocks (ggml's blocks interleave them). The
+ * scales come first so that a row is read front to back, as the hardware prefetcher expects. */
 static inline int quant_bytes(int type) { return type == Q8_0 ? 32 : 16; }
 static inline int has_fifth_bit(int type) { return type == Q5_0 || type == Q5_1; }
 static inline int has_m(int type) { return type == Q4_1 || type == Q5_1; }
+/* Offsets of a packed row's m, fifth bits and quants (d is at 0) */
+static inline int64_t m_at(int64_t blocks) { return 2 * padded8(blocks); }
+static inline int64_t qh_at(int type, int64_t blocks) { return m_at(blocks) * (has_m(type) ? 2 : 1); }
+static inline int64_t qs_at(int type, int64_t blocks) { return qh_at(type, blocks) + (has_fifth_bit(type) ? 4 * blocks : 0); }
 
 int64_t gguf_packed_row_bytes(int type, int64_t K) {
     if (is_k_quant(type)) return K / 256 * block_bytes(type);  /* super-blocks run as stored */
@@ -357,14 +362,13 @@ void gguf_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
     const int64_t out_row = gguf_packed_row_bytes(type, K);
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *src = w + n * in_row;
-        uint8_t *qs = out + n * out_row;
+        uint8_t *d = out + n * out_row;
         if (is_k_quant(type)) {
-            memcpy(qs, src, (size_t)in_row);
+            memcpy(d, src, (size_t)in_row);
             continue;
         }
-        memset(qs, 0, (size_t)out_row);
-        uint8_t *qh = qs + blocks * quant_bytes(type), *d = qh + (has_fifth_bit(type) ? 4 * blocks : 0);
-        uint8_t *m = d + 2 * padded8(blocks);
+        memset(d, 0, (size_t)out_row);
+        uint8_t *m = d + m_at(blocks), *qh = d + qh_at(type, blocks), *qs = d + qs_at(type, blocks);
         for (int64_t b = 0; b < blocks; b++) {  /* a block: d, [m], [qh], quants (ggml's block_q4_0 etc.) */
             const uint8_t *block = src + b * block_bytes(type), *q = block + (has_m(type) ? 4 : 2);
             memcpy(d + 2 * b, block, 2);
@@ -406,8 +410,7 @@ static inline void pair_weights(int type, const uint8_t *qs, const uint8_t *qh, 
 static inline __attribute__((always_inline)) void dot_rows(int type, int R, const uint8_t *w_row, int64_t K,
                                                            const Acts *a, int64_t r, float *y, int64_t ldy) {
     const int64_t blocks = K / 32;
-    const uint8_t *qs = w_row, *qh = qs + blocks * quant_bytes(type);
-    const uint8_t *d = qh + (has_fifth_bit(type) ? 4 * blocks : 0), *m = d + 2 * padded8(blocks);
+    const uint8_t *d = w_row, *m = d + m_at(blocks), *qh = d + qh_at(type, blocks), *qs = d + qs_at(type, blocks);
     /* two accumulators a row, taken in turn, so one pair's multiply-add need not wait for the last's */
     floats8 acc[4], other[4], mins[4];
     for (int i = 0; i < R; i++) acc[i] = other[i] = mins[i] = zero8();
