@@ -386,23 +386,26 @@ void gguf_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
     }
 }
 
-/* Blocks b and b + 1's weights as lo (meeting x's first 32 bytes of the pair) and hi, or a last odd block b in lo. */
-static inline void pair_weights(int type, const uint8_t *qs, const uint8_t *qh, int64_t b, int single, bytes32 *lo,
-                                bytes32 *hi) {
+/* Blocks b and b + 1's weights: lo meets x's first 32 bytes of the pair, hi the next 32 */
+static inline void pair_weights(int type, const uint8_t *qs, const uint8_t *qh, int64_t b, bytes32 *lo, bytes32 *hi) {
     if (type == Q8_0) {
-        *lo = load32(qs + 32 * b);
-        *hi = single ? *lo : load32(qs + 32 * b + 32);
-        return;
-    }
-    if (single) {
-        *lo = nibbles16(qs + 16 * b);
-        if (has_fifth_bit(type)) *lo = fifth_bits(*lo, qh + 4 * b);
-        *hi = *lo;
+        *lo = load32(qs + 32 * b), *hi = load32(qs + 32 * b + 32);
         return;
     }
     const bytes32 both = load32(qs + 16 * b);
     *lo = bits(both, 0, 15), *hi = bits(both, 4, 15);
     if (has_fifth_bit(type)) *lo = fifth_bits(*lo, qh + 4 * b), *hi = fifth_bits(*hi, qh + 4 * b + 4);
+}
+
+/* A last odd block's weights, in their own order */
+static inline bytes32 last_block_weights(int type, const uint8_t *qs, const uint8_t *qh, int64_t b) {
+    if (type == Q8_0) return load32(qs + 32 * b);
+    const bytes32 w = nibbles16(qs + 16 * b);
+    return has_fifth_bit(type) ? fifth_bits(w, qh + 4 * b) : w;
+}
+
+static inline ints8 dot(int type, ints8 acc, bytes32 w, bytes32 x) {
+    return type == Q8_0 ? dot_signed(acc, w, x) : dot_unsigned(acc, w, x);
 }
 
 /* Output n for R rows of x (from row r): every pair of weight blocks is unpacked once and used R times. type
@@ -411,9 +414,9 @@ static inline __attribute__((always_inline)) void dot_rows(int type, int R, cons
                                                            const Acts *a, int64_t r, float *y, int64_t ldy) {
     const int64_t blocks = K / 32;
     const uint8_t *d = w_row, *m = d + m_at(blocks), *qh = d + qh_at(type, blocks), *qs = d + qs_at(type, blocks);
-    /* two accumulators a row, taken in turn, so one pair's multiply-add need not wait for the last's */
-    floats8 acc[4], other[4], mins[4];
-    for (int i = 0; i < R; i++) acc[i] = other[i] = mins[i] = zero8();
+    /* two accumulators a row, for alternate pairs, so one pair's multiply-add need not wait for the last's */
+    floats8 acc[2][4], mins[4];
+    for (int i = 0; i < R; i++) acc[0][i] = acc[1][i] = mins[i] = zero8();
     for (int64_t c = 0; c < blocks; c += 8) {  /* 8 blocks, whose scales are one vector */
         const floats8 wd = halves8(d + 2 * c);
         /* what x's sums multiply: Q4_1's and Q5_1's m; Q4_0's d * (q - 8) is d * q - 8d, Q5_0's - 16d */
@@ -424,22 +427,25 @@ static inline __attribute__((always_inline)) void dot_rows(int type, int R, cons
             scale[i] = mul8(wd, load8(a->d + at));
             if (type != Q8_0) mins[i] = fma8(wm, load8(a->s + at), mins[i]);
         }
-        for (int k = 0; k < 8 && c + k < blocks; k += 2) {
-            const int64_t b = c + k;
-            const int single = b + 1 == blocks;
+        for (int k = 0; k < 8 && c + k + 2 <= blocks; k += 2) {
             bytes32 lo, hi;
-            pair_weights(type, qs, qh, b, single, &lo, &hi);
+            pair_weights(type, qs, qh, c + k, &lo, &hi);
             for (int i = 0; i < R; i++) {
-                const uint8_t *x = (const uint8_t *)(a->q + (r + i) * K + 32 * b);
-                ints8 dot = type == Q8_0 ? dot_signed(zero_ints(), lo, load32(x)) : dot_unsigned(zero_ints(), lo, load32(x));
-                if (!single) dot = type == Q8_0 ? dot_signed(dot, hi, load32(x + 32)) : dot_unsigned(dot, hi, load32(x + 32));
-                const floats8 previous = acc[i];
-                acc[i] = other[i];
-                other[i] = fma_scaled(previous, dot, lanes(scale[i], k, single ? k : k + 1));
+                const uint8_t *x = (const uint8_t *)(a->q + (r + i) * K + 32 * (c + k));
+                const ints8 sums = dot(type, dot(type, zero_ints(), lo, load32(x)), hi, load32(x + 32));
+                acc[k / 2 % 2][i] = fma_scaled(acc[k / 2 % 2][i], sums, lanes(scale[i], k, k + 1));
+            }
+        }
+        if (blocks % 2 && c + 8 >= blocks) {  /* a last odd block */
+            const int k = (int)(blocks - 1 - c);
+            const bytes32 w = last_block_weights(type, qs, qh, blocks - 1);
+            for (int i = 0; i < R; i++) {
+                const bytes32 x = load32((const uint8_t *)(a->q + (r + i) * K + 32 * (blocks - 1)));
+                acc[0][i] = fma_scaled(acc[0][i], dot(type, zero_ints(), w, x), lanes(scale[i], k, k));
             }
         }
     }
-    for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[i]) + sum8(other[i]) + sum8(mins[i]);
+    for (int i = 0; i < R; i++) y[(r + i) * ldy] = sum8(acc[0][i]) + sum8(acc[1][i]) + sum8(mins[i]);
 }
 
 /* -- K-quant super-blocks of 256 ---------------------------------------------------------------------- */
