@@ -66,6 +66,9 @@ def parse():
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--threads", type=int, default=1, help="engine CPU threads (0 = torch's default)")
     parser.add_argument("--collect-limit", type=int, default=36, help="prompts in the collection pass")
+    parser.add_argument("--collect-workloads", default="code,chat,repetitive",
+                        help="workloads (shipped names or JSONL paths) of the collection pass, minus the held-out set; "
+                             "a distilled draft needs prompts it was not trained on")
     parser.add_argument("--ks", default="0,1,2,4,8", help="draft lengths of the collection pass")
     parser.add_argument("--limit", type=int, default=48, help="held-out requests evaluated")
     parser.add_argument("--repeats", type=int, default=1)
@@ -102,8 +105,8 @@ def run(args, drafter: str, out: Path) -> dict:
         if args.rows:
             rows = pd.read_parquet(args.rows)
         else:
-            rows = est.collect(config, out, ks=tuple(ints(args.ks)), limit=args.collect_limit,
-                               max_tokens=args.max_tokens)
+            rows = est.collect(config, out, workloads=tuple(args.collect_workloads.split(",")), ks=tuple(ints(args.ks)),
+                               limit=args.collect_limit, max_tokens=args.max_tokens)
             rows.to_parquet(out / "estimator-data.parquet", index=False)
         fitted = est.fit(rows, source=args.rows or "collection pass")
         fitted.info["engine_config"] = config
