@@ -96,13 +96,13 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
     winner, candidates = doc["winner"], {c["trial"]: c for c in doc["candidates"]}
     assert winner is not None, doc["demoted"]
     # What pick_winner decides is tested on crafted records below; here, properties of this real decision:
-    # the winner passed everything, or (with a warning) nothing did and noise is its only fault, and
-    # nothing that passed is faster (than the fastest, where a tie exported a simpler one).
+    # the fastest contender (passed, or faulted by noise alone: the interval weighs noise) is the winner, or
+    # heads the tie a simpler configuration was exported for; a noisy fastest one leaves a warning, a clean one none.
     chosen, median = candidates[winner["trial"]], lambda c: c["stats"]["output_tok_s"]["median"]
     fastest = candidates[doc["tie"]["trials"][0]] if doc["tie"] else chosen
-    passed = [c for c in doc["candidates"] if c["status"] == "passed"]
-    assert fastest["status"] == "passed" if passed else all(r.startswith("noisy:") for r in fastest["reasons"])
-    assert (winner["warning"] is None) == bool(passed) and all(median(c) <= median(fastest) for c in passed)
+    contenders = [c for c in doc["candidates"] if all(r.startswith("noisy:") for r in c["reasons"])]
+    assert fastest in contenders and all(median(c) <= median(fastest) for c in contenders)
+    assert (winner["warning"] is None) == (not fastest["reasons"])
     # The gain is the winner's median over the defaults' (drafter none), and the defaults are a candidate
     # here (trial 0): when they passed too, a winner that is not them beat them (> 1), and they are 1.
     baseline = doc["baseline"]
