@@ -14,11 +14,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_speculative import VOCAB, batch_settings, tiny_model
+from test_speculative import VOCAB, batch_settings, tiny_model, two_step_joint_pvalue
 
 from autotune.embedded.drafters import ModelDrafter
-from autotune.embedded.generate import StepInput, speculative_step
+from autotune.embedded.generate import StepInput
 from autotune.embedded.model import KVCache, Linear
 from autotune.embedded.runner import ModelRunner
 from autotune.embedded.sampling import SamplingBatch
@@ -114,41 +113,14 @@ class MislabelledLaw(ModelDrafter):
 
 
 def joint_pvalue(drafter_class) -> float:
-    """Two speculative steps of a random 1-layer draft whose head scores 5 of the 8 tokens over a random target:
-    chi-square of the first two tokens' joint law against the target's, computed exactly."""
-    rows, prompt, subset = 3000, torch.tensor([1, 4, 2]), torch.tensor([6, 0, 3, 7, 2])
-    target, draft = tiny_model(0, 2), tiny_model(1, 1)
+    """test_speculative's exact two-step joint-law test, for a random 1-layer draft whose head scores 5 of the 8
+    tokens (a sub-vocabulary), proposing through drafter_class."""
+    subset = torch.tensor([6, 0, 3, 7, 2])
+    draft = tiny_model(1, 1)
     draft.output = Linear(draft.args.dim, len(subset), bias=False)
     draft.output.weight.data.normal_(0, 0.5)
-    target_cache = KVCache(target.args, rows, 32, torch.float32)
-    draft_cache = KVCache(draft.args, rows, 32, torch.float32)
-    pos = torch.arange(2).expand(rows, 2)
-    target(prompt[:2].expand(rows, 2), pos, target_cache)
-    draft(prompt[:2].expand(rows, 2), pos, draft_cache)
-
-    def forward(model, cache):
-        return lambda ids, positions, rows_, kv_len: model(ids, positions, cache, rows=rows_, kv_len=kv_len)
-
-    drafter = drafter_class(forward(draft, draft_cache), shares_target_cache=False, vocab_subset=subset,
-                            vocab_size=VOCAB)
-    sampling = batch_settings(rows, temperature=0.9, seed=3)
-    emitted = [[] for _ in range(rows)]
-    for _ in range(2):  # each step emits >= 1 token, so two steps give every row two
-        last = torch.tensor([(prompt.tolist() + e)[-1] for e in emitted])
-        positions = torch.tensor([len(prompt) - 1 + len(e) for e in emitted])
-        step = StepInput(None, last, positions, [np.array(prompt.tolist() + e) for e in emitted], [3] * rows, 32,
-                         sampling)
-        for row, tokens in enumerate(speculative_step(forward(target, target_cache), drafter, step).tokens):
-            emitted[row] += tokens
-    pairs = np.array([e[0] * VOCAB + e[1] for e in emitted])
-    grid = torch.cat([prompt.expand(VOCAB, 3), torch.arange(VOCAB)[:, None]], 1)
-    logits = target(grid, torch.arange(4).expand(VOCAB, 4), KVCache(target.args, VOCAB, 32, torch.float32))
-    joint = (torch.softmax(logits[0, 2] / 0.9, -1)[:, None] * torch.softmax(logits[:, 3] / 0.9, -1)).flatten().double()
-    counts = np.bincount(pairs, minlength=VOCAB * VOCAB)
-    common = (joint * rows >= 5).numpy()  # chi-square wants expected counts >= 5; the rest pooled
-    observed = np.append(counts[common], counts[~common].sum())
-    expected = np.append((joint[common] * rows).numpy(), (joint[~common] * rows).sum().item())
-    return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+    return two_step_joint_pvalue(lambda forward: drafter_class(forward, shares_target_cache=False, vocab_subset=subset,
+                                                                vocab_size=VOCAB), draft)
 
 
 @torch.no_grad()

@@ -150,12 +150,11 @@ def tiny_model(seed: int, layers: int) -> Transformer:
     return model.eval()
 
 
-@torch.no_grad()
-def test_speculative_steps_sample_the_target_law_end_to_end():
-    """Two steps of a random draft model over a random target: the first two tokens' joint law is the
-    target's, computed exactly."""
+def two_step_joint_pvalue(make_drafter, draft: Transformer) -> float:
+    """Two speculative steps of `draft` (proposing through make_drafter(forward)) over a random target: the
+    chi-square p-value of the first two tokens' joint law against the target's, computed exactly."""
     rows, prompt = 3000, torch.tensor([1, 4, 2])
-    target, draft = tiny_model(0, 2), tiny_model(1, 1)
+    target = tiny_model(0, 2)
     target_cache = KVCache(target.args, rows, 32, torch.float32)
     draft_cache = KVCache(draft.args, rows, 32, torch.float32)
     pos = torch.arange(2).expand(rows, 2)
@@ -165,14 +164,13 @@ def test_speculative_steps_sample_the_target_law_end_to_end():
     def forward(model, cache):
         return lambda ids, positions, rows_, kv_len: model(ids, positions, cache, rows=rows_, kv_len=kv_len)
 
-    drafter = ModelDrafter(forward(draft, draft_cache), shares_target_cache=False)
-    histories = [prompt.numpy()] * rows
+    drafter = make_drafter(forward(draft, draft_cache))
     sampling = batch_settings(rows, temperature=0.9, seed=3)
     emitted = [[] for _ in range(rows)]
     for _ in range(2):  # each step emits >= 1 token, so two steps give every row two
-        last = torch.tensor([(list(h) + e)[-1] for h, e in zip(histories, emitted)])
+        last = torch.tensor([(prompt.tolist() + e)[-1] for e in emitted])
         positions = torch.tensor([len(prompt) - 1 + len(e) for e in emitted])
-        step = StepInput(None, last, positions, [np.array(list(prompt) + e) for e in emitted], [3] * rows, 32,
+        step = StepInput(None, last, positions, [np.array(prompt.tolist() + e) for e in emitted], [3] * rows, 32,
                          sampling)
         for row, tokens in enumerate(speculative_step(forward(target, target_cache), drafter, step).tokens):
             emitted[row] += tokens
@@ -181,11 +179,15 @@ def test_speculative_steps_sample_the_target_law_end_to_end():
     # Exact joint law of (t1, t2) under the target at temperature 0.9.
     grid = torch.cat([prompt.expand(VOCAB, 3), torch.arange(VOCAB)[:, None]], 1)
     logits = target(grid, torch.arange(4).expand(VOCAB, 4), KVCache(target.args, VOCAB, 32, torch.float32))
-    p1 = torch.softmax(logits[0, 2] / 0.9, -1)
-    p2 = torch.softmax(logits[:, 3] / 0.9, -1)
-    joint = (p1[:, None] * p2).flatten().double()
+    joint = (torch.softmax(logits[0, 2] / 0.9, -1)[:, None] * torch.softmax(logits[:, 3] / 0.9, -1)).flatten().double()
     counts = np.bincount(pairs, minlength=VOCAB * VOCAB)
-    common = joint * rows >= 5  # chi-square wants expected counts >= 5; the rest pooled
-    observed = np.append(counts[common.numpy()], counts[~common.numpy()].sum())
+    common = (joint * rows >= 5).numpy()  # chi-square wants expected counts >= 5; the rest pooled
+    observed = np.append(counts[common], counts[~common].sum())
     expected = np.append((joint[common] * rows).numpy(), (joint[~common] * rows).sum().item())
-    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+@torch.no_grad()
+def test_speculative_steps_sample_the_target_law_end_to_end():
+    """Two steps of a random draft model over a random target sample the target's joint law."""
+    assert two_step_joint_pvalue(lambda forward: ModelDrafter(forward, shares_target_cache=False), tiny_model(1, 1)) > 1e-3
