@@ -66,9 +66,8 @@ class FixedDrafter(NoDrafter):
     def __init__(self, k: int):
         self.k = k
 
-    def propose(self, step):
-        empty = super().propose(step)  # and whatever else the drafter protocol returns after proposed
-        return torch.zeros((1, self.k), dtype=torch.long), None, [self.k], *empty[3:]
+    def host_proposals(self, step):
+        return np.zeros((1, self.k), dtype=np.int64), [self.k]
 
 
 def greedy_sampling() -> SamplingBatch:
@@ -101,14 +100,13 @@ def main():
     print(f"{loaded.name}, {args.threads} thread(s), context {args.context}, {args.steps} steps per mode")
 
     def steps(drafter, n, position=args.context):
-        token = prompt[:, -1]
+        token = int(prompt[0, -1])
         for i in range(n):
             pos = position + i * (drafter.k + 1 if isinstance(drafter, FixedDrafter) else 1)
-            step = StepInput(rows=None, last_tokens=token, positions=torch.tensor([pos]),
-                             histories=[prompt[0].numpy()], draft_lengths=[getattr(drafter, "k", 0)],
-                             kv_len=pos + 8, sampling=greedy_sampling())
+            step = StepInput(host=np.array([[token, pos, 0]]), histories=[prompt[0].numpy()],
+                             draft_lengths=[getattr(drafter, "k", 0)], kv_len=pos + 8, sampling=greedy_sampling())
             out = speculative_step(runner, drafter, step)
-            token = torch.tensor([out.tokens[0][-1]])
+            token = out.tokens[0][-1]
 
     with torch.inference_mode():
         runner(prompt, torch.arange(args.context)[None], None, args.context)

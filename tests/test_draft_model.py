@@ -64,8 +64,8 @@ def test_distillation_writes_a_small_checkpoint_that_borrows_the_target(distille
 
 
 def propose(drafter: ModelDrafter, history: list[int], k: int, sampling: SamplingBatch):
-    step = StepInput(None, torch.tensor([history[-1]]), torch.tensor([len(history) - 1]), [np.array(history)], [k],
-                     len(history) + k, sampling)
+    step = StepInput(np.array([[history[-1], len(history) - 1, 0]]), [np.array(history)], [k], len(history) + k,
+                     sampling)
     return drafter.propose(step)
 
 

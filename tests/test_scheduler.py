@@ -4,13 +4,17 @@ import json
 import queue
 import threading
 
+import numpy as np
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from autotune.embedded.config import MAX_DRAFT_LENGTH, EngineConfig, GenerationRequest, SamplingParams
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
-from autotune.embedded.runner import MAX_GRAPH_WIDTH, WIDTH_BUCKETS, bucket
+from autotune.embedded.model import KVCache
+from autotune.embedded.runner import MAX_GRAPH_WIDTH, WIDTH_BUCKETS, ModelRunner, bucket
 from autotune.embedded.scheduler import Engine
+from autotune.embedded.weights import load_model
 
 CODE_PROMPT = ("def area(width, height):\n    return width * height\n\n"
                "# Same function, with type hints:\ndef area(")
@@ -175,6 +179,25 @@ def test_compiled_engine_does_not_recompile_after_warm_up(tiny_checkpoint):
         assert counters["frames"]["total"] == compiled
     finally:
         engine.stop()
+
+
+def test_a_greedy_step_on_host_arrays_gives_the_tokens_of_the_unpadded_step(tiny_checkpoint):
+    """host_greedy pads in numpy what _padded pads on the device: rows out of slot order, at other
+    positions and widths, must get the argmax of the same step run unpadded."""
+    loaded = load_model(tiny_checkpoint, max_seq_len=64)
+    cache = KVCache(loaded.args, 4, 64, torch.float32)
+    runner = ModelRunner(loaded.model, cache, scratch_slot=3, fixed_shape=True)
+    generator = torch.Generator().manual_seed(0)
+    for slot, length in ((0, 9), (1, 20), (2, 14)):
+        prompt = torch.randint(100, 1000, (1, length), generator=generator)
+        runner(prompt, torch.arange(length)[None], torch.tensor([slot]), 64, logits_from=length - 1)
+    ids = torch.randint(100, 1000, (2, 3), generator=generator).numpy()
+    pos, rows = np.array([[14, 15, 16], [9, 10, 11]]), np.array([2, 0])
+    with torch.inference_mode():
+        on_host = runner.host_greedy(ids, pos, rows)
+        unpadded = loaded.model(*map(torch.from_numpy, (ids, pos)), cache, rows=torch.from_numpy(rows), kv_len=64)
+    assert on_host.shape == (2, 3) and (on_host == unpadded.argmax(-1).numpy()).all()
+    assert ModelRunner(loaded.model, cache).host_greedy(ids, pos, rows) is None  # unpadded: the caller's general path
 
 
 def test_fixed_step_shape_gives_the_same_greedy_tokens_with_or_without_drafts(tiny_checkpoint):

@@ -168,10 +168,8 @@ def two_step_joint_pvalue(make_drafter, draft: Transformer) -> float:
     sampling = batch_settings(rows, temperature=0.9, seed=3)
     emitted = [[] for _ in range(rows)]
     for _ in range(2):  # each step emits >= 1 token, so two steps give every row two
-        last = torch.tensor([(prompt.tolist() + e)[-1] for e in emitted])
-        positions = torch.tensor([len(prompt) - 1 + len(e) for e in emitted])
-        step = StepInput(None, last, positions, [np.array(prompt.tolist() + e) for e in emitted], [3] * rows, 32,
-                         sampling)
+        host = np.array([[(prompt.tolist() + e)[-1], len(prompt) - 1 + len(e), row] for row, e in enumerate(emitted)])
+        step = StepInput(host, [np.array(prompt.tolist() + e) for e in emitted], [3] * rows, 32, sampling)
         for row, tokens in enumerate(speculative_step(forward(target, target_cache), drafter, step).tokens):
             emitted[row] += tokens
     pairs = np.array([e[0] * VOCAB + e[1] for e in emitted])

@@ -1,7 +1,8 @@
 """Drafters: who proposes the k tokens a speculative step verifies.
 
 propose(step) -> (drafts [B, K] long, draft_probs [B, K, V] | None, proposed per row, signals [B, K, 2] |
-None), with K the longest row's proposal; a row's proposal is drafts[b, :proposed[b]] (the rest is padding
+None), with K the longest row's proposal (drafters that propose on the host also give host_proposals(step) ->
+(drafts as a numpy array, proposed), which a greedy step takes without a device copy); a row's proposal is drafts[b, :proposed[b]] (the rest is padding
 the target never accepts). draft_probs are the laws the proposals were drawn from, for rejection sampling;
 None means deterministic (one-hot) proposals. signals (entropy, top-1 probability per proposed token, only
 when step.trace) are what the stop rule reads (generate.py), for the estimator's fit.
@@ -25,16 +26,22 @@ from autotune.embedded.sampling import draw, exponential_noise
 
 
 def _empty(step: StepInput):
-    return torch.empty((len(step.draft_lengths), 0), dtype=torch.long, device=step.last_tokens.device), None, [
+    return torch.empty((len(step.draft_lengths), 0), dtype=torch.long, device=step.device), None, [
         0] * len(step.draft_lengths), None
 
 
 class NoDrafter:
+    proposes_on_host = True
+
     def prefill(self, input_ids, input_pos, row, kv_len):
         pass
 
+    def host_proposals(self, step: StepInput) -> tuple[np.ndarray, list[int]]:
+        return np.zeros((len(step.draft_lengths), 0), dtype=np.int64), [0] * len(step.draft_lengths)
+
     def propose(self, step: StepInput):
-        return _empty(step)
+        drafts, proposed = self.host_proposals(step)
+        return torch.from_numpy(drafts).to(step.device, non_blocking=True), None, proposed, None
 
 
 def ngram_lookup(history: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.ndarray:
@@ -52,26 +59,30 @@ class NgramDrafter(NoDrafter):
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def propose(self, step: StepInput):
+    def host_proposals(self, step: StepInput) -> tuple[np.ndarray, list[int]]:
         ks = list(step.draft_lengths)
-        # No distribution of its own: the stop rule reads the target's at the last accepted position.
-        prior = [s or (0.0, 1.0) for s in step.target_signals or [None] * len(ks)]
         if step.stop_above is not None:
-            risks = risk_of(torch.tensor(prior), step.stop_signal).tolist()
+            risks = risk_of(torch.tensor(self._prior(step)), step.stop_signal).tolist()
             ks = [0 if risk > above else k for k, risk, above in zip(ks, risks, step.stop_above)]
         found = [
             ngram_lookup(history, k, self.ngram_min, self.ngram_max) if k else history[:0]
             for history, k in zip(step.histories, ks)
         ]
-        width = max(len(f) for f in found)
-        if not width:
-            return _empty(step)
-        padded = np.zeros((len(found), width), dtype=np.int64)
+        padded = np.zeros((len(found), max(len(f) for f in found)), dtype=np.int64)
         for row, tokens in enumerate(found):
             padded[row, : len(tokens)] = tokens
-        drafts = torch.from_numpy(padded).to(step.last_tokens.device, non_blocking=True)
-        signals = torch.tensor(prior)[:, None].expand(-1, width, -1) if step.trace else None
-        return drafts, None, [len(f) for f in found], signals
+        return padded, [len(f) for f in found]
+
+    def propose(self, step: StepInput):
+        drafts, _, proposed, _ = super().propose(step)
+        width = drafts.shape[1]
+        signals = torch.tensor(self._prior(step))[:, None].expand(-1, width, -1) if step.trace and width else None
+        return drafts, None, proposed, signals
+
+    @staticmethod
+    def _prior(step: StepInput) -> list[tuple[float, float]]:
+        """No distribution of its own: the stop rule reads the target's at the last accepted position."""
+        return [s or (0.0, 1.0) for s in step.target_signals or [None] * len(step.draft_lengths)]
 
 
 class ModelDrafter(NoDrafter):
@@ -84,6 +95,8 @@ class ModelDrafter(NoDrafter):
     vocab_subset [N]: the full token id of each of the draft head's N rows (None: the head is the whole
     vocabulary); vocab_size: the target's, the width of the laws handed to verification.
     """
+
+    proposes_on_host = False
 
     def __init__(self, forward, shares_target_cache: bool, prefill_forward=None, vocab_subset=None,
                  vocab_size: int | None = None):
@@ -98,7 +111,7 @@ class ModelDrafter(NoDrafter):
         k = max(step.draft_lengths)
         if not k:
             return _empty(step)
-        device, sampling = step.last_tokens.device, step.sampling
+        device, sampling = step.device, step.sampling
         input_ids, input_pos = step.last_tokens[:, None], step.positions[:, None]
         if not self.shares_target_cache:
             before = torch.tensor([int(h[-2]) if len(h) > 1 else int(h[-1]) for h in step.histories], device=device)

@@ -19,11 +19,13 @@ stop depends on the draft side only, so greedy output and the sampled distributi
 """
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from autotune.embedded.runner import ModelRunner
 from autotune.embedded.sampling import (
     SamplingBatch,
     draw,
@@ -35,22 +37,45 @@ from autotune.embedded.sampling import (
 )
 
 ENTROPY_POSITIONS = 32  # prompt entropy = mean next-token entropy over this many leading prompt positions
-STOP_SIGNALS = ("entropy", "doubt")  # a stop rule's risk: entropy (nats), or doubt = 1 - top-1 probability
+STOP_SIGNALS = ("entropy", "doubt")
+CPU = torch.device("cpu")  # a stop rule's risk: entropy (nats), or doubt = 1 - top-1 probability
 
 
 @dataclass
 class StepInput:
-    rows: Tensor | None  # cache slots of the batch rows; None = slots 0..B-1
-    last_tokens: Tensor  # [B] newest token of each sequence (not yet in the target's cache)
-    positions: Tensor  # [B] its position
+    host: np.ndarray  # [B, 3] int64 per row: newest token (not yet in the target's cache), its position, cache slot
     histories: list[np.ndarray]  # every token of each sequence, newest last (for n-gram lookup)
     draft_lengths: list[int]  # k per row; 0 = plain decode
     kv_len: int  # attended cache length: covers every row's position + K
     sampling: SamplingBatch
+    device: torch.device = CPU
     stop_above: list[float] | None = None  # per row: the risk above which drafting stops (inf: never); None: no rule
     stop_signal: str = "entropy"  # which risk (STOP_SIGNALS)
     trace: bool = False  # return each proposed token's signals (what `autotune estimator fit` collects)
     target_signals: list[tuple[float, float] | None] | None = None  # n-gram: the previous step's target_signals
+
+    @cached_property
+    def _on_device(self) -> Tensor:  # one copy, made only where a step needs the ids on the device
+        return torch.from_numpy(self.host).to(self.device)
+
+    @property
+    def last_tokens(self) -> Tensor:  # [B]
+        return self._on_device[:, 0]
+
+    @property
+    def positions(self) -> Tensor:  # [B]
+        return self._on_device[:, 1]
+
+    @property
+    def rows(self) -> Tensor | None:  # the cache slots of the rows; None = slots 0..B-1 (the cache read as a view)
+        slots = self.host[:, 2]
+        return None if (slots == np.arange(len(slots))).all() else self._on_device[:, 2]
+
+    @property
+    def greedy_on_host(self) -> bool:
+        """Every row greedy without penalty, and no signals asked: the step needs the target's argmax only."""
+        sampling = self.sampling
+        return not (sampling.any_sampled or sampling.presence is not None or self.trace or self.target_signals)
 
 
 @dataclass
@@ -81,6 +106,14 @@ def leading_true(ok: Tensor) -> Tensor:
     return ok.long().cumprod(1).sum(1)
 
 
+def greedy_accepted(target_tokens: Tensor, drafts: Tensor, proposed: Tensor) -> Tensor:
+    """The target's own tokens [B, K+1] and the proposals [B, K] -> [B] proposals accepted: the prefix that
+    equals the target's tokens (temperature 0)."""
+    k = drafts.shape[1]
+    in_proposal = torch.arange(k, device=drafts.device) < proposed[:, None]
+    return leading_true((drafts == target_tokens[:, :k]) & in_proposal)
+
+
 def accept(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, proposed: Tensor, sampling: SamplingBatch):
     """Target logits [B, K+1, V] + proposals [B, K] -> (tokens [B, K+1], accepted [B]).
 
@@ -91,16 +124,16 @@ def accept(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, proposed:
     k = width - 1
     if sampling.presence is not None:
         logits = penalise(logits, sampling.repetition_penalty, presence_along(sampling.presence, drafts))
-    in_proposal = torch.arange(k, device=logits.device) < proposed[:, None]
     greedy_tokens = logits.argmax(-1)
-    greedy_accepted = leading_true((drafts == greedy_tokens[:, :k]) & in_proposal)
+    greedy_ok = greedy_accepted(greedy_tokens, drafts, proposed)
     if not sampling.any_sampled:
-        return greedy_tokens, greedy_accepted
+        return greedy_tokens, greedy_ok
 
     p = probabilities(logits, sampling)
     p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, drafts[..., None])[..., 0]
     u = uniform_noise((k,), sampling.generators, logits.device)
+    in_proposal = torch.arange(k, device=logits.device) < proposed[:, None]
     accepted = leading_true((u * q_x < p_x) & in_proposal)
 
     rows = torch.arange(batch, device=logits.device)
@@ -119,21 +152,43 @@ def accept(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, proposed:
     tokens = torch.cat([drafts, bonus[:, None]], 1)
     tokens[rows, accepted] = bonus
     greedy = sampling.greedy
-    return torch.where(greedy[:, None], greedy_tokens, tokens), torch.where(greedy, greedy_accepted, accepted)
+    return torch.where(greedy[:, None], greedy_tokens, tokens), torch.where(greedy, greedy_ok, accepted)
 
 
 def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
-    """verify(input_ids, input_pos, rows, kv_len) -> logits is the target; drafter proposes (drafters.py)."""
+    """verify(input_ids, input_pos, rows, kv_len) -> logits is the target; drafter proposes (drafters.py).
+
+    A greedy step of host proposals (plain decode, n-gram) through a ModelRunner with a graph for it is
+    taken on host arrays (ModelRunner.host_greedy): the same tokens, without the device ops around the step.
+    """
     start = time.perf_counter()
-    drafts, draft_probs, proposed, signals = drafter.propose(step)
-    drafted = time.perf_counter()
+    if drafter.proposes_on_host and step.greedy_on_host:
+        host_drafts, proposed = drafter.host_proposals(step)
+        drafted = time.perf_counter()
+        k = host_drafts.shape[1]
+        ids = np.concatenate([step.host[:, :1], host_drafts], 1)
+        target = verify.host_greedy(ids, step.host[:, 1:2] + np.arange(k + 1), step.host[:, 2]) \
+            if isinstance(verify, ModelRunner) else None
+        if target is not None:
+            accepted = greedy_accepted(torch.from_numpy(target), torch.from_numpy(host_drafts),
+                                       torch.tensor(proposed)).tolist()
+            return StepOutput(tokens=[row[: a + 1] for row, a in zip(target.tolist(), accepted)], proposed=proposed,
+                              accepted=accepted, draft_seconds=drafted - start,
+                              verify_seconds=time.perf_counter() - drafted)
+        drafts, draft_probs, signals = torch.from_numpy(host_drafts).to(step.device), None, None
+    else:
+        drafts, draft_probs, proposed, signals = drafter.propose(step)
+        drafted = time.perf_counter()
     k = drafts.shape[1]
     input_ids = torch.cat([step.last_tokens[:, None], drafts], 1)
     input_pos = step.positions[:, None] + torch.arange(k + 1, device=drafts.device)
     logits = verify(input_ids, input_pos, step.rows, step.kv_len)
     proposed_t = torch.tensor(proposed, device=drafts.device)
     tokens, accepted = accept(logits, drafts, draft_probs, proposed_t, step.sampling)
-    host = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the step's one host sync
+    packed = torch.cat([tokens, accepted[:, None]], 1)
+    if packed.is_cuda:
+        torch.cuda.current_stream().synchronize()  # wait with the GIL released: the server's loop runs meanwhile
+    host = packed.tolist()  # the step's one host sync
     target_signals = None
     if step.target_signals is not None:  # n-gram stopping reads the law the target's own token came from
         rows = torch.arange(len(proposed), device=logits.device)

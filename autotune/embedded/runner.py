@@ -8,7 +8,14 @@ dynamic shapes, so a new batch size, width or kv_len does not recompile it; on C
 CUDA graphs are captured by warm_up(), before the engine serves, for every (batch size, width bucket)
 the scheduler can produce: a step is padded up to the nearest captured batch size (rows that write
 to a scratch cache slot) and width bucket (columns at the positions after the row's last, which the
-mask hides and the next step overwrites), and attends the whole cache (a fixed shape).
+mask hides and the next step overwrites), and attends the whole cache (a fixed shape). Each graph reads
+its inputs from one packed buffer and also writes the argmax of its logits, so a greedy step whose
+inputs are on the host (plain decode, n-gram drafts) is one copy in, one replay, one copy out
+(host_greedy): on a GPU a small model's step is launch-bound, and each eager op around the replay
+cost about as much host time as a layer's kernels.
+
+Prefill runs eagerly at every prompt length, and never through cuDNN's attention: SDPA picks it for a
+masked call on Hopper, and it builds a plan per new shape (hundreds of ms each, sglang#4650).
 
 fixed_shape pads every full-depth step to one shape (all slots x MAX_GRAPH_WIDTH, the whole cache):
 each token is then computed by the same kernels whatever the draft length or the concurrency (a GEMM of
@@ -17,8 +24,10 @@ the same with and without speculation. Checked on the CPU only so far (benchmark
 """
 import time
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autotune.embedded.config import MAX_DRAFT_LENGTH
 from autotune.embedded.model import KVCache, Transformer
@@ -27,10 +36,19 @@ MAX_GRAPH_WIDTH = MAX_DRAFT_LENGTH + 1  # a verify step of the longest draft
 # Step widths are padded up to one of these: k = 4 and k = 8 verify without padding, and 6 buckets x
 # the batch sizes stay a few dozen graphs. Padding costs little on a GPU (a step is launch-bound).
 WIDTH_BUCKETS = (1, 2, 3, 5, 9, MAX_GRAPH_WIDTH)
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def bucket(value: int, buckets) -> int:
     return next(b for b in buckets if b >= value)
+
+
+class _StepGraph:
+    """One step shape's static inputs (views of `packed`) and, once captured, its graph and outputs."""
+
+    def __init__(self, packed: Tensor, ids: Tensor, pos: Tensor, slots: Tensor):
+        self.packed, self.ids, self.pos, self.slots = packed, ids, pos, slots
+        self.graph = self.logits = self.tokens = self.host_in = self.host_out = None
 
 
 class ModelRunner:
@@ -52,7 +70,7 @@ class ModelRunner:
         self.fixed_shape = fixed_shape and scratch_slot is not None
         if self.fixed_shape:  # one shape: all slots, the widest step
             self.graph_sizes = [scratch_slot] if self.graph_sizes else []
-        self.graphs: dict[tuple, tuple] = {}
+        self.graphs: dict[tuple, _StepGraph] = {}
         self.pool = None
         self.late_captures = 0  # graphs captured after warm_up (a shape warm_up did not foresee)
 
@@ -60,32 +78,33 @@ class ModelRunner:
                  num_layers: int | None = None, logits_from: int = 0) -> Tensor:
         batch, width = input_ids.shape
         if logits_from or width > MAX_GRAPH_WIDTH:
-            return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len,
-                              logits_from=logits_from)
+            with sdpa_kernel(PREFILL_ATTENTION):
+                return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len,
+                                  logits_from=logits_from)
         if not (self.compiled or self.graph_sizes or self.fixed_shape):  # eager: rows None reads the cache as a view
             return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
         rows = rows if rows is not None else torch.arange(batch, device=input_ids.device)
-        if self.fixed_shape and num_layers is None:
-            return self._padded(input_ids, input_pos, rows, self.scratch_slot, MAX_GRAPH_WIDTH, num_layers)
-        if self.graph_sizes and batch <= self.graph_sizes[-1]:
-            size, width_bucket = bucket(batch, self.graph_sizes), bucket(width, WIDTH_BUCKETS)
-            return self._padded(input_ids, input_pos, rows, size, width_bucket, num_layers)
+        shape = self._padded_shape(batch, width, num_layers)
+        if shape:
+            return self._padded(input_ids, input_pos, rows, *shape, num_layers)
         # Standard strides, as warm_up's: dynamo guards them (even of size-1 dims, which contiguous() keeps),
         # and the scheduler's rows are a strided column of its packed ints.
         input_ids, input_pos, rows = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, input_pos, rows))
         return self.step_forward(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
 
+    def _padded_shape(self, batch: int, width: int, num_layers: int | None) -> tuple[int, int] | None:
+        """The [size, width bucket] a step is padded to, or None where it runs at its own shape."""
+        if self.fixed_shape and num_layers is None:
+            return self.scratch_slot, MAX_GRAPH_WIDTH
+        if self.graph_sizes and batch <= self.graph_sizes[-1]:
+            return bucket(batch, self.graph_sizes), bucket(width, WIDTH_BUCKETS)
+        return None
+
     def _padded(self, input_ids, input_pos, rows, size, width_bucket, num_layers):
         """The step padded to [size, width_bucket], through its graph if graphs are on."""
         batch, width = input_ids.shape
-        key = (size, width_bucket, num_layers)
-        if self.graph_sizes and key not in self.graphs:
-            self.late_captures += 1
-            self.graphs[key] = self._capture(size, width_bucket, num_layers)
-        if self.graph_sizes:
-            graph, ids, pos, slots, out = self.graphs[key]
-        else:
-            ids, pos, slots = self._static_inputs(size, width_bucket)
+        step = self._graph(size, width_bucket, num_layers) if self.graph_sizes else self._static_inputs(size, width_bucket)
+        ids, pos, slots = step.ids, step.pos, step.slots
         ids[:batch, :width].copy_(input_ids)
         ids[:batch, width:] = 0
         pos[:batch, :width].copy_(input_pos)
@@ -93,35 +112,84 @@ class ModelRunner:
         slots[:batch].copy_(rows)
         ids[batch:], pos[batch:], slots[batch:] = 0, 0, self.scratch_slot
         if self.graph_sizes:
-            graph.replay()
-        else:
-            out = self._run(ids, pos, slots, num_layers)
-        return out[:batch, :width]
+            step.graph.replay()
+            return step.logits[:batch, :width]
+        return self._run_static(step, num_layers)[:batch, :width]
 
-    def _static_inputs(self, size: int, width: int):
-        device = self.cache.device
-        ids = torch.zeros((size, width), dtype=torch.long, device=device)
-        pos = torch.zeros((size, width), dtype=torch.long, device=device)
-        slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=device)
-        return ids, pos, slots
+    def host_greedy(self, input_ids: np.ndarray, input_pos: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+        """The argmax of a full-depth step's logits [B, T], for host inputs ([B, T], [B, T], [B]), as a host
+        array; None where the step is not padded (the caller runs it through __call__).
+
+        _padded's padding, done in numpy into pinned memory: one copy in, the replay, one copy out.
+        """
+        batch, width = input_ids.shape
+        shape = self._padded_shape(batch, width, None) if width <= MAX_GRAPH_WIDTH else None
+        if not shape:
+            return None
+        size, width_bucket = shape
+        step = self._graph(size, width_bucket, None) if self.graph_sizes else self._static_inputs(size, width_bucket)
+        host_in = step.host_in if self.graph_sizes else torch.empty(step.packed.shape, dtype=torch.long)
+        packed = host_in.numpy()
+        ids, pos, slots = packed[:, :width_bucket], packed[:, width_bucket:-1], packed[:, -1]
+        ids[:batch, :width], ids[:batch, width:] = input_ids, 0
+        pos[:batch, :width] = input_pos
+        pos[:batch, width:] = input_pos[:, -1:] + np.arange(1, width_bucket - width + 1)
+        slots[:batch] = rows
+        ids[batch:], pos[batch:], slots[batch:] = 0, 0, self.scratch_slot
+        step.packed.copy_(host_in, non_blocking=True)
+        if not self.graph_sizes:
+            return self._run_static(step, None).argmax(-1)[:batch, :width].cpu().numpy()
+        step.graph.replay()
+        step.host_out.copy_(step.tokens, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # waits with the GIL released: the server's loop runs meanwhile
+        return step.host_out.numpy()[:batch, :width]
+
+    def _graph(self, size: int, width: int, num_layers: int | None) -> _StepGraph:
+        key = (size, width, num_layers)
+        if key not in self.graphs:
+            self.late_captures += 1
+            self.graphs[key] = self._capture(size, width, num_layers)
+        return self.graphs[key]
+
+    def _static_inputs(self, size: int, width: int) -> _StepGraph:
+        """A step's padded inputs, as views of one packed [size, 2 * width + 1] buffer (ids, positions, slot)."""
+        packed = torch.zeros((size, 2 * width + 1), dtype=torch.long, device=self.cache.device)
+        packed[:, -1] = self.scratch_slot
+        return _StepGraph(packed, packed[:, :width], packed[:, width:-1], packed[:, -1])
 
     def _run(self, ids, pos, slots, num_layers):
         return self.step_forward(ids, pos, self.cache, rows=slots, num_layers=num_layers, kv_len=self.cache.max_len)
 
-    def _capture(self, size: int, width: int, num_layers: int | None):
-        ids, pos, slots = self._static_inputs(size, width)
+    def _run_static(self, step: _StepGraph, num_layers):
+        # Standard strides (views of the packed buffer are not): dynamo guards them, as in __call__.
+        ids, pos, slots = (t.clone(memory_format=torch.contiguous_format) for t in (step.ids, step.pos, step.slots))
+        return self._run(ids, pos, slots, num_layers)
+
+    def _capture(self, size: int, width: int, num_layers: int | None) -> _StepGraph:
+        step = self._static_inputs(size, width)
+        # The forward reads contiguous copies (the strides warm_up compiled for), made inside the graph.
+        ids, pos, slots = (torch.empty_like(t, memory_format=torch.contiguous_format)
+                           for t in (step.ids, step.pos, step.slots))
+
+        def run():
+            ids.copy_(step.ids), pos.copy_(step.pos), slots.copy_(step.slots)
+            logits = self._run(ids, pos, slots, num_layers)
+            return logits, logits.argmax(-1)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (and compile) writes only the scratch slot
             for _ in range(2):
-                self._run(ids, pos, slots, num_layers)
+                run()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        step.graph = torch.cuda.CUDAGraph()
         # One pool for all graphs: they replay one at a time, and each keeps its output alive.
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._run(ids, pos, slots, num_layers)
-        self.pool = graph.pool()
-        return graph, ids, pos, slots, out
+        with torch.cuda.graph(step.graph, pool=self.pool):
+            step.logits, step.tokens = run()
+        self.pool = step.graph.pool()
+        step.host_in = torch.empty(step.packed.shape, dtype=torch.long, pin_memory=True)
+        step.host_out = torch.empty(step.tokens.shape, dtype=torch.long, pin_memory=True)
+        return step
 
     def warm_up(self, max_batch: int, widths, layer_counts=(None,)) -> float:
         """Compile and capture every step shape a scheduler of max_batch rows can produce with these
@@ -140,3 +208,4 @@ class ModelRunner:
             torch.cuda.synchronize()
         self.late_captures = 0
         return time.perf_counter() - start
+

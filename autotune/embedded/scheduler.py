@@ -150,6 +150,7 @@ class Engine:
         estimator = load_estimator(config.draft_estimator) if config.draft_estimator else None
         self.policy = DraftPolicy(config.draft_policy, config.draft_length, estimator)
         self.slot_rows = [torch.tensor([s], device=self.device) for s in range(slots)]
+        self._greedy_sampling: dict[int, SamplingBatch] = {}
         # Compile and capture now, before /health answers: at serving time a new shape would stall every stream.
         self.warmup_seconds = 0.0
         if config.compile != "none" or graphs:
@@ -340,17 +341,11 @@ class Engine:
         # Never propose past max_tokens: a step emits at most k + 1 tokens.
         ks = [min(s.k, s.params.max_tokens - s.completion - 1) for s in batch]
         positions = [s.length - 1 for s in batch]
-        slots = [s.slot for s in batch]
-        ints = torch.tensor([[s.tokens[s.length - 1], p, s.slot, s.params.top_k]
-                             for s, p in zip(batch, positions)], device=self.device)
-        floats = torch.tensor([[s.params.temperature, s.params.top_p, s.params.repetition_penalty] for s in batch],
-                              device=self.device)
+        host = np.array([[s.tokens[s.length - 1], p, s.slot] for s, p in zip(batch, positions)], dtype=np.int64)
         step = StepInput(
-            rows=None if slots == list(range(len(batch))) else ints[:, 2],
-            last_tokens=ints[:, 0], positions=ints[:, 1],
-            histories=[s.tokens[: s.length] for s in batch], draft_lengths=ks,
+            host=host, histories=[s.tokens[: s.length] for s in batch], draft_lengths=ks,
             kv_len=_bucket(max(positions) + max(ks) + 1, self.target.cache.max_len),
-            sampling=self._sampling(batch, ints[:, 3], floats),
+            sampling=self._sampling(batch), device=self.device,
             **policy.step_fields([s.stop_above for s in batch], [s.params.draft_trace for s in batch],
                                  [s.target_signals for s in batch] if isinstance(self.drafter, NgramDrafter) else None),
         )
@@ -375,7 +370,14 @@ class Engine:
                 seq.k = policy.next_k(seq.k, proposed, accepted)
             self._emit(seq, tokens, proposed, accepted)
 
-    def _sampling(self, batch, top_k, floats) -> SamplingBatch:
+    def _sampling(self, batch) -> SamplingBatch:
+        if all(s.params.temperature == 0 and s.params.repetition_penalty == 1.0 for s in batch):
+            if len(batch) not in self._greedy_sampling:  # the same every step: built once per batch size
+                self._greedy_sampling[len(batch)] = self._sampling_of(batch)
+            return self._greedy_sampling[len(batch)]
+        return self._sampling_of(batch)
+
+    def _sampling_of(self, batch) -> SamplingBatch:
         penalised = [row for row, s in enumerate(batch) if s.params.repetition_penalty != 1.0]
         presence = None
         if penalised:
@@ -383,9 +385,13 @@ class Engine:
             for row in penalised:
                 seq = batch[row]
                 presence[row, torch.from_numpy(seq.tokens[: seq.length]).to(self.device)] = True
+        # One copy: top_k travels as a float (exact far beyond any vocabulary).
+        settings = torch.tensor([[s.params.temperature, s.params.top_p, s.params.repetition_penalty, s.params.top_k]
+                                 for s in batch], device=self.device)
         return SamplingBatch(
-            temperature=floats[:, 0], top_k=top_k, top_p=floats[:, 1], repetition_penalty=floats[:, 2],
-            presence=presence, generators=[s.generator for s in batch],
+            temperature=settings[:, 0], top_k=settings[:, 3].long(), top_p=settings[:, 1],
+            repetition_penalty=settings[:, 2], presence=presence,
+            generators=[s.generator for s in batch],
             any_sampled=any(s.params.temperature > 0 for s in batch),
             any_filtered=any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in batch),
         )

@@ -1,0 +1,111 @@
+"""The host-side levers of the embedded engine on CUDA, each against the engine without it, in one process.
+
+1. Prefill attention without cuDNN (runner.PREFILL_ATTENTION). SDPA picks cuDNN for a masked call on
+   Hopper, and cuDNN builds a plan for each new shape: every prompt length the process has not seen pays
+   it. Measured as the time to the first token of prompts at unseen lengths, alternating the two variants
+   (each variant gets its own lengths, so neither reuses the other's plans).
+2. The greedy step on host arrays (ModelRunner.host_greedy): one copy in, the graph, one copy out, against
+   the general path (the step's inputs built, padded and accepted with device ops). Measured as decode
+   ms per token of one request (plain and n-gram), alternating the two, after the prompt is in.
+
+The engine is the bundled model in bf16 with inductor and a CUDA graph for batch 1, one slot, as
+bench_embedded.py runs it against llama.cpp.
+
+    python3 benchmarks/gpu_host_levers.py [--repeats 5] [--tokens 256] [--out levers.json] [--device cpu]
+"""
+import argparse
+import contextlib
+import json
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+from autotune import provenance
+from autotune.embedded import runner as runner_module
+from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
+from autotune.embedded.scheduler import Engine
+
+
+def request_seconds(engine: Engine, prompt: list[int], tokens: int, k: int) -> float:
+    done = threading.Event()
+
+    def on_event(event):
+        if event.finish_reason:
+            done.set()
+
+    start = time.perf_counter()
+    engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, draft_length=k)),
+                  on_event)
+    done.wait()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (eager, no graphs)")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    config = EngineConfig(drafter="ngram", dtype="bfloat16" if cuda else "float32", compile="inductor" if cuda else "none",
+                          cuda_graph_batch_sizes=[1] if cuda else [], verify_slots=1, device=args.device,
+                          max_seq_len=2048)
+    engine = Engine(config)
+    engine.start()
+    rng = np.random.default_rng(0)
+    general_path = lambda *inputs: None  # noqa: E731 (host_greedy declining: the caller's general path)
+    with_cudnn = lambda backends: contextlib.nullcontext()  # noqa: E731 (SDPA's own pick, cuDNN included)
+    result = {"engine_commit": provenance.commit(), "device": torch.cuda.get_device_name() if cuda else "cpu", "config": str(config),
+              "torch": torch.__version__}
+    try:
+        request_seconds(engine, rng.integers(100, 10000, 64).tolist(), 16, 0)  # allocator, first touch
+
+        # 1. prefill: unseen lengths, the variants alternating
+        ttft = {"no_cudnn": [], "cudnn": []}
+        lengths = iter(range(90, 2000, 23))
+        for _ in range(args.repeats):
+            for name in ttft:
+                runner_module.sdpa_kernel = with_cudnn if name == "cudnn" else torch.nn.attention.sdpa_kernel
+                length = next(lengths)
+                ttft[name].append((length, request_seconds(engine, rng.integers(100, 10000, length).tolist(), 1, 0)))
+        runner_module.sdpa_kernel = torch.nn.attention.sdpa_kernel
+        result["first_token_ms_at_unseen_lengths"] = {
+            name: {"lengths": [n for n, _ in runs], "ms": [round(s * 1e3, 1) for _, s in runs],
+                   "median_ms": round(statistics.median(s for _, s in runs) * 1e3, 1)} for name, runs in ttft.items()}
+
+        # 2. decode: ms per token after the prompt is in, host path vs general path, plain and n-gram
+        prompt = ("def area(width, height):\n    return width * height\n\n# Same function, with type hints:\n"
+                  "def area(")
+        ids = engine.tokenizer.encode(prompt * 3, add_special_tokens=True)
+        decode = {}
+        for k in (0, 6):
+            runs = {"host_greedy": [], "general": []}
+            for _ in range(args.repeats):
+                for name in runs:
+                    if name == "general":
+                        engine.target.host_greedy = general_path
+                    first = request_seconds(engine, ids, 1, k)
+                    whole = request_seconds(engine, ids, args.tokens, k)
+                    engine.target.__dict__.pop("host_greedy", None)
+                    runs[name].append((whole - first) / (args.tokens - 1) * 1e3)
+            decode[f"k={k}"] = {name: {"ms_per_token": [round(v, 3) for v in vs],
+                                       "median_ms_per_token": round(statistics.median(vs), 3)}
+                                for name, vs in runs.items()}
+        result["decode_ms_per_token"] = decode
+        result["prompt_tokens"] = len(ids)
+        result["late_graph_captures"] = engine.stats()["late_graph_captures"]
+    finally:
+        engine.stop()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
