@@ -29,10 +29,12 @@ from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingPa
 from autotune.embedded.scheduler import Engine
 
 
-def request_seconds(engine: Engine, prompt: list[int], tokens: int, k: int) -> float:
+def request_seconds(engine: Engine, prompt: list[int], tokens: int, k: int, out: list | None = None) -> float:
     done = threading.Event()
 
     def on_event(event):
+        if out is not None:
+            out.extend(event.new_token_ids)
         if event.finish_reason:
             done.set()
 
@@ -83,18 +85,21 @@ def main():
         ids = engine.tokenizer.encode(prompt * 3, add_special_tokens=True)
         decode = {}
         for k in (0, 6):
-            runs = {"host_greedy": [], "general": []}
+            runs, texts = {"host_greedy": [], "general": []}, {"host_greedy": set(), "general": set()}
             for _ in range(args.repeats):
                 for name in runs:
                     if name == "general":
                         engine.target.host_greedy = general_path
-                    first = request_seconds(engine, ids, 1, k)
-                    whole = request_seconds(engine, ids, args.tokens, k)
+                    first, tokens = request_seconds(engine, ids, 1, k), []
+                    whole = request_seconds(engine, ids, args.tokens, k, tokens)
+                    texts[name].add(tuple(tokens))
                     engine.target.__dict__.pop("host_greedy", None)
                     runs[name].append((whole - first) / (args.tokens - 1) * 1e3)
             decode[f"k={k}"] = {name: {"ms_per_token": [round(v, 3) for v in vs],
                                        "median_ms_per_token": round(statistics.median(vs), 3)}
                                 for name, vs in runs.items()}
+            # the same graphs either way: greedy tokens must not depend on the path
+            decode[f"k={k}"]["same_tokens_both_paths"] = len(texts["host_greedy"] | texts["general"]) == 1
         result["decode_ms_per_token"] = decode
         result["prompt_tokens"] = len(ids)
         result["late_graph_captures"] = engine.stats()["late_graph_captures"]
