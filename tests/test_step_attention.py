@@ -26,9 +26,11 @@ for batch, width, heads, kv_heads, dim, length, slots in [(1, 1, 9, 3, 64, 2065,
     assert width <= max_width(heads, kv_heads, dim)
     q = torch.randn(batch, width, heads, 2 * dim)[..., ::2]  # strided, like RoPE's output
     k_cache, v_cache = torch.randn(slots, kv_heads, length, dim), torch.randn(slots, kv_heads, length, dim)
-    rows = torch.randperm(slots)[:batch]  # the kernel reads the cache through the rows' slots
     starts = torch.tensor([0, length - width][:batch] + [length // 3] * max(0, batch - 2))
     pos = starts[:, None] + torch.arange(width)
+    # The kernel reads the cache through the rows' slots: a strided column of packed ints, as the scheduler's
+    # (newest token, position, slot) rows are; a kernel reading them as contiguous reads tokens as slots.
+    rows = torch.stack([torch.randint(10**6, 10**7, (batch,)), starts, torch.randperm(slots)[:batch]], 1)[:, 2]
     out = step_attention_op(q, k_cache, v_cache, rows, pos, length)
     mask = (torch.arange(length)[None, None, :] <= pos[:, :, None])[:, None]
     reference = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows], v_cache[rows], attn_mask=mask,
@@ -73,16 +75,18 @@ print(max((a - b).abs().max().item() for a, b in zip(outputs[:2], outputs[2:])))
 
 
 def test_served_greedy_tokens_are_the_same_with_the_kernel(tiny_checkpoint, start_embedded_server, monkeypatch):
-    """Two servers, SDPA and the kernel, n-gram drafting (verify widths > 1), two requests at once (two slots)."""
+    """Two servers, SDPA and the kernel, n-gram drafting (verify widths > 1), three requests at once (three
+    slots); the first ends early, so the later steps batch slots 1 and 2 (rows other than 0..B-1)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     texts = {}
+    requests = [("a b a b a b a b", 4), ("x = 1\ny = 2\nx = 1\ny =", 20), ("def f(x):\n    return x", 20)]
     for attention in ("sdpa", "triton"):
-        server = start_embedded_server(model=tiny_checkpoint, drafter="ngram", draft_length=4, verify_slots=2,
+        server = start_embedded_server(model=tiny_checkpoint, drafter="ngram", draft_length=4, verify_slots=3,
                                        max_seq_len=100, device="cpu", step_attention=attention)
-        with httpx.Client(base_url=server.url, timeout=300) as client, ThreadPoolExecutor(2) as pool:
-            replies = pool.map(lambda prompt: client.post("/v1/completions", json={
-                "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}).json(),
-                ("a b a b a b a b", "x = 1\ny = 2\nx = 1\ny ="))
+        with httpx.Client(base_url=server.url, timeout=300) as client, ThreadPoolExecutor(3) as pool:
+            replies = pool.map(lambda request: client.post("/v1/completions", json={
+                "prompt": request[0], "max_tokens": request[1], "temperature": 0, "ignore_eos": True}).json(),
+                requests)
             texts[attention] = [reply["choices"][0]["text"] for reply in replies]
         assert "step attention" in server.log() or attention == "sdpa"
     assert texts["triton"] == texts["sdpa"]

@@ -247,6 +247,7 @@ class Engine:
             try:
                 self._step()
             except Exception as exc:  # a broken step must not take the server down with it
+                log.exception("engine step failed")
                 for seq in list(self._running):
                     self._finish(seq, "error", f"engine step failed: {type(exc).__name__}: {exc}")
         with self._lock:

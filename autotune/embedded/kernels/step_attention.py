@@ -24,7 +24,7 @@ TARGET_SPLITS = 16  # chunks of one (row, KV head): enough programs for a GPU's 
 
 @triton.jit
 def _chunk_kernel(Q, K, V, Slots, Pos, PartOut, PartMax, PartSum, kv_len, chunk, scale,
-                  stride_qb, stride_qt, stride_qh, stride_qd, stride_ks, stride_kh, stride_kl, stride_pb, T,
+                  stride_qb, stride_qt, stride_qh, stride_qd, stride_ks, stride_kh, stride_kl, stride_sb, stride_pb, T,
                   N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     row_head, split = tl.program_id(0), tl.program_id(1)
@@ -36,7 +36,7 @@ def _chunk_kernel(Q, K, V, Slots, Pos, PartOut, PartMax, PartSum, kv_len, chunk,
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=live[:, None], other=0.0)
     pos = tl.load(Pos + b * stride_pb + t, mask=live, other=-1)
-    slot = tl.load(Slots + b)
+    slot = tl.load(Slots + b * stride_sb)  # the scheduler's slots are a strided column of its packed ints
     lo = split * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, kv_len), tl.max(pos, 0) + 1)  # no key past the row's last position
     base = slot.to(tl.int64) * stride_ks + kv_head * stride_kh
@@ -107,8 +107,8 @@ def step_attention(q, k_cache, v_cache, slots, pos, kv_len: int):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides (RoPE's are not)
     _chunk_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, slots, pos, part_out, part_max, part_sum, kv_len, chunk, head_dim ** -0.5,
-        q.stride(0), q.stride(1), q.stride(2), q.stride(3), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pos.stride(0),
-        width, N_KV_HEADS=n_kv_heads, GROUP=group, SPLITS=splits, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim)
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        slots.stride(0), pos.stride(0), width, N_KV_HEADS=n_kv_heads, GROUP=group, SPLITS=splits, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim)
     _merge_kernel[(batch * n_kv_heads,)](
         part_out, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), width,
         N_KV_HEADS=n_kv_heads, GROUP=group, SPLITS=splits, BLOCK_Q=block_q, HEAD_DIM=head_dim)
