@@ -162,13 +162,12 @@ def speculative_step(verify, drafter, step: StepInput) -> StepOutput:
     taken on host arrays (ModelRunner.host_greedy): the same tokens, without the device ops around the step.
     """
     start = time.perf_counter()
-    if drafter.proposes_on_host and step.greedy_on_host:
+    if drafter.proposes_on_host and step.greedy_on_host and isinstance(verify, ModelRunner) and verify.pads_steps:
         host_drafts, proposed = drafter.host_proposals(step)
         drafted = time.perf_counter()
         k = host_drafts.shape[1]
         ids = np.concatenate([step.host[:, :1], host_drafts], 1)
-        target = verify.host_greedy(ids, step.host[:, 1:2] + np.arange(k + 1), step.host[:, 2]) \
-            if isinstance(verify, ModelRunner) else None
+        target = verify.host_greedy(ids, step.host[:, 1:2] + np.arange(k + 1), step.host[:, 2])
         if target is not None:
             accepted = greedy_accepted(torch.from_numpy(target), torch.from_numpy(host_drafts),
                                        torch.tensor(proposed)).tolist()

@@ -92,6 +92,11 @@ class ModelRunner:
         input_ids, input_pos, rows = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, input_pos, rows))
         return self.step_forward(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
 
+    @property
+    def pads_steps(self) -> bool:
+        """Whether steps run padded (graphs, or one fixed shape): those host_greedy can take."""
+        return bool(self.graph_sizes or self.fixed_shape)
+
     def _padded_shape(self, batch: int, width: int, num_layers: int | None) -> tuple[int, int] | None:
         """The [size, width bucket] a step is padded to, or None where it runs at its own shape."""
         if self.fixed_shape and num_layers is None:
