@@ -59,10 +59,10 @@ def main():
     engine = Engine(config)
     engine.start()
     rng = np.random.default_rng(0)
-    general_path = lambda *inputs: None  # noqa: E731 (host_greedy declining: the caller's general path)
-    with_cudnn = lambda backends: contextlib.nullcontext()  # noqa: E731 (SDPA's own pick, cuDNN included)
-    result = {"engine_commit": provenance.commit(), "device": torch.cuda.get_device_name() if cuda else "cpu", "config": str(config),
-              "torch": torch.__version__}
+    general_path = lambda *inputs: None  # host_greedy declining: the caller's general path
+    with_cudnn = lambda backends: contextlib.nullcontext()  # SDPA's own pick, cuDNN included
+    result = {"engine_commit": provenance.commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "config": str(config), "torch": torch.__version__}
     try:
         request_seconds(engine, rng.integers(100, 10000, 64).tolist(), 16, 0)  # allocator, first touch
 
@@ -70,10 +70,10 @@ def main():
         ttft = {"no_cudnn": [], "cudnn": []}
         lengths = iter(range(90, 2000, 23))
         for _ in range(args.repeats):
-            for name in ttft:
+            for name, runs in ttft.items():
                 runner_module.sdpa_kernel = with_cudnn if name == "cudnn" else torch.nn.attention.sdpa_kernel
                 length = next(lengths)
-                ttft[name].append((length, request_seconds(engine, rng.integers(100, 10000, length).tolist(), 1, 0)))
+                runs.append((length, request_seconds(engine, rng.integers(100, 10000, length).tolist(), 1, 0)))
         runner_module.sdpa_kernel = torch.nn.attention.sdpa_kernel
         result["first_token_ms_at_unseen_lengths"] = {
             name: {"lengths": [n for n, _ in runs], "ms": [round(s * 1e3, 1) for _, s in runs],
@@ -87,14 +87,14 @@ def main():
         for k in (0, 6):
             runs, texts = {"host_greedy": [], "general": []}, {"host_greedy": set(), "general": set()}
             for _ in range(args.repeats):
-                for name in runs:
+                for name, times in runs.items():
                     if name == "general":
                         engine.target.host_greedy = general_path
                     first, tokens = request_seconds(engine, ids, 1, k), []
                     whole = request_seconds(engine, ids, args.tokens, k, tokens)
                     texts[name].add(tuple(tokens))
                     engine.target.__dict__.pop("host_greedy", None)
-                    runs[name].append((whole - first) / (args.tokens - 1) * 1e3)
+                    times.append((whole - first) / (args.tokens - 1) * 1e3)
             decode[f"k={k}"] = {name: {"ms_per_token": [round(v, 3) for v in vs],
                                        "median_ms_per_token": round(statistics.median(vs), 3)}
                                 for name, vs in runs.items()}
