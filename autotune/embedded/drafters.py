@@ -1,10 +1,10 @@
 """Drafters: who proposes the k tokens a speculative step verifies.
 
 propose(step) -> (drafts [B, K] long, draft_probs [B, K, V] | None, proposed per row, signals [B, K, 2] |
-None), with K the longest row's proposal (drafters that propose on the host also give host_proposals(step) ->
-(drafts as a numpy array, proposed), which a greedy step takes without a device copy); a row's proposal is drafts[b, :proposed[b]] (the rest is padding
+None), with K the longest row's proposal; a row's proposal is drafts[b, :proposed[b]] (the rest is padding
 the target never accepts). draft_probs are the laws the proposals were drawn from, for rejection sampling;
-None means deterministic (one-hot) proposals. signals (entropy, top-1 probability per proposed token, only
+None means deterministic (one-hot) proposals. Drafters that propose on the host (proposes_on_host) also give
+host_proposals(step) -> (drafts as a numpy array, proposed), which a greedy step takes without a device copy. signals (entropy, top-1 probability per proposed token, only
 when step.trace) are what the stop rule reads (generate.py), for the estimator's fit.
 
 - none: no proposals (plain decoding: one token per target pass).

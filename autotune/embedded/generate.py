@@ -37,8 +37,8 @@ from autotune.embedded.sampling import (
 )
 
 ENTROPY_POSITIONS = 32  # prompt entropy = mean next-token entropy over this many leading prompt positions
-STOP_SIGNALS = ("entropy", "doubt")
-CPU = torch.device("cpu")  # a stop rule's risk: entropy (nats), or doubt = 1 - top-1 probability
+STOP_SIGNALS = ("entropy", "doubt")  # a stop rule's risk: entropy (nats), or doubt = 1 - top-1 probability
+CPU = torch.device("cpu")
 
 
 @dataclass
