@@ -78,8 +78,10 @@ def workloads(tokenizer) -> dict[str, list[int]]:
             for name, messages in zip(("code", "chat"), chat)}
 
 
-def timed(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int], object]:
-    """One greedy request of exactly `tokens` tokens: (seconds, tokens, final event)."""
+def timed(engine: Engine, prompt: list[int], tokens: int, draft_length: int | None = None
+          ) -> tuple[float, list[int], object]:
+    """One greedy request of exactly `tokens` tokens (at `draft_length`, else the engine's policy):
+    (seconds, tokens, final event)."""
     out, done = [], threading.Event()
     final = []
 
@@ -90,7 +92,8 @@ def timed(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[i
             done.set()
 
     start = time.perf_counter()
-    engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)), on_event)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, draft_length=draft_length)
+    engine.submit(GenerationRequest(prompt, params), on_event)
     done.wait()
     seconds = time.perf_counter() - start
     if final[0].finish_reason != "length":

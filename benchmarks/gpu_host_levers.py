@@ -17,32 +17,15 @@ import argparse
 import contextlib
 import json
 import statistics
-import threading
-import time
 
 import numpy as np
 import torch
+from bench_embedded import timed  # one greedy request, timed, failing loudly if it does not end by length
 
 from autotune import provenance
 from autotune.embedded import runner as runner_module
-from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
+from autotune.embedded.config import EngineConfig
 from autotune.embedded.scheduler import Engine
-
-
-def request_seconds(engine: Engine, prompt: list[int], tokens: int, k: int, out: list | None = None) -> float:
-    done = threading.Event()
-
-    def on_event(event):
-        if out is not None:
-            out.extend(event.new_token_ids)
-        if event.finish_reason:
-            done.set()
-
-    start = time.perf_counter()
-    engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, draft_length=k)),
-                  on_event)
-    done.wait()
-    return time.perf_counter() - start
 
 
 def main():
@@ -64,7 +47,7 @@ def main():
     result = {"engine_commit": provenance.commit(), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "config": str(config), "torch": torch.__version__}
     try:
-        request_seconds(engine, rng.integers(100, 10000, 64).tolist(), 16, 0)  # allocator, first touch
+        timed(engine, rng.integers(100, 10000, 64).tolist(), 16, 0)  # allocator, first touch
 
         # 1. prefill: unseen lengths, the variants alternating
         ttft = {"no_cudnn": [], "cudnn": []}
@@ -73,7 +56,7 @@ def main():
             for name, runs in ttft.items():
                 runner_module.sdpa_kernel = with_cudnn if name == "cudnn" else torch.nn.attention.sdpa_kernel
                 length = next(lengths)
-                runs.append((length, request_seconds(engine, rng.integers(100, 10000, length).tolist(), 1, 0)))
+                runs.append((length, timed(engine, rng.integers(100, 10000, length).tolist(), 1, 0)[0]))
         runner_module.sdpa_kernel = torch.nn.attention.sdpa_kernel
         result["first_token_ms_at_unseen_lengths"] = {
             name: {"lengths": [n for n, _ in runs], "ms": [round(s * 1e3, 1) for _, s in runs],
@@ -90,8 +73,8 @@ def main():
                 for name, times in runs.items():
                     if name == "general":
                         engine.target.host_greedy = general_path
-                    first, tokens = request_seconds(engine, ids, 1, k), []
-                    whole = request_seconds(engine, ids, args.tokens, k, tokens)
+                    first = timed(engine, ids, 1, k)[0]
+                    whole, tokens, _ = timed(engine, ids, args.tokens, k)
                     texts[name].add(tuple(tokens))
                     engine.target.__dict__.pop("host_greedy", None)
                     times.append((whole - first) / (args.tokens - 1) * 1e3)
