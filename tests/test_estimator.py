@@ -439,3 +439,43 @@ def test_llama_server_applies_the_exported_cut_off(stop_fitted, tmp_path):
         drafted[p_min], texts[p_min] = doc["timings"]["draft_n"], doc["content"]
     assert 0 < drafted[0.95] < drafted[0.0], drafted
     assert texts[0.95] == texts[0.0]
+
+
+RECORDED = ["estimator-2026-12-01/cpu/early_exit", "estimator-2026-12-01/cpu/quantized_self",
+            "estimator-2026-12-02/selection/draft-h200-clean"]  # collection passes of three drafters (issue 17)
+
+
+@pytest.mark.parametrize("folder", RECORDED)
+def test_oracle_stop_bounds_every_policy_on_recorded_steps(folder):
+    """On a recorded collection pass's steps at its largest k, under its measured costs, the oracle stop is no
+    slower than every fixed k (k = 0 included: where drafting does not pay even when right, it must not draft)
+    and than the best (threshold, cap) policy; on the steps that proposed k tokens, all of them taken as
+    accepted, it is the best fixed k; and on synthetic steps with linear costs, where drafting the whole
+    accepted run always pays, it is that run's speed exactly: n draft passes (none on a token it does not
+    propose) and a verify n + 1 wide."""
+    from pathlib import Path
+
+    from autotune.estimator.stop import best_policy, candidate_thresholds, oracle_replay, replay, step_arrays
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / folder
+    rows, doc = pd.read_parquet(path / "estimator-data.parquet"), json.loads((path / "estimator.json").read_text())
+    costs = {"verify": {int(w): c for w, c in doc["width_costs"]["verify"].items()}, "draft": doc["width_costs"]["draft"]}
+    cap = int(rows["k"].max())
+    risk, proposed, accepted, _ = step_arrays(rows[rows["k"] == cap].reset_index(drop=True), "entropy", cap)
+    fixed = [np.divide(*replay(risk, proposed, accepted, math.inf, k, costs)) for k in range(cap + 1)]
+    full = proposed == cap  # steps of one length, all accepted: the same length is best for every one of them
+    all_accepted = [np.divide(*replay(risk[full], proposed[full], proposed[full], math.inf, k, costs))
+                    for k in range(cap + 1)]
+    oracle = np.divide(*oracle_replay(proposed, accepted, cap, costs))
+    policy = best_policy({c: (risk, proposed, accepted) for c in range(cap + 1)}, costs, candidate_thresholds(risk),
+                         list(range(cap + 1)))[2]
+    assert oracle >= max(fixed) * (1 - 1e-12) and oracle >= policy * (1 - 1e-12), (oracle, fixed, policy)
+    assert np.divide(*oracle_replay(proposed, accepted, cap, costs, prefix_only=True)) <= oracle * (1 + 1e-12)
+    assert np.divide(*oracle_replay(proposed[full], proposed[full], cap, costs)) == pytest.approx(max(all_accepted),
+                                                                                                 rel=1e-12)
+
+    synthetic = traced_rows(ks=(0, 6), steps=10)
+    linear = {"verify": {w: 1 + VERIFY_STEP * (w - 1) for w in range(1, 8)}, "draft": DRAFT_PASS}
+    _, proposed, accepted, _ = step_arrays(synthetic[synthetic["k"] == 6].reset_index(drop=True), "entropy", 6)
+    assert oracle_replay(proposed, accepted, 6, linear) == pytest.approx(
+        ((accepted + 1).sum(), (1 + (DRAFT_PASS + VERIFY_STEP) * accepted).sum()), rel=1e-12)

@@ -11,6 +11,7 @@ Expected speed of a policy (threshold t, cap K), replayed on the recorded steps 
 proposes n = its first position j < K whose risk is above t (that token is not proposed), else K; it emits
 min(n, accepted) + 1 tokens and costs n + 1 draft passes (K when no stop) plus a verify pass n + 1 wide,
 each in plain-step units measured per width (width_costs: verify cost is not linear in width on CPU).
+The oracle (oracle_replay) knows each step's accepted run: the ceiling of any stop rule on the same steps.
 """
 import itertools
 import json
@@ -121,6 +122,28 @@ def replay(risk, proposed, accepted, threshold: float, cap: int, costs: dict) ->
     passes = np.where(stopped, n + 1, limit)
     verify = np.array([costs["verify"].get(int(w), np.nan) for w in n + 1])
     return float((np.minimum(n, accepted) + 1).sum()), float((passes * costs["draft"] + verify).sum())
+
+
+def oracle_replay(proposed, accepted, cap: int, costs: dict, prefix_only: bool = False) -> tuple[float, float]:
+    """Tokens and plain-step cost of the recorded steps under an oracle stop that knows each step's accepted
+    run: a step proposes n <= min(cap, its proposals) tokens, emits min(n, accepted) + 1 and costs n draft
+    passes (none spent on a token it will not propose) plus a verify n + 1 wide. prefix_only: n = the accepted
+    run (the first iterate below). Otherwise n is chosen per step for the highest total tokens / cost by
+    Dinkelbach's iteration (pick the n of most tokens - speed x cost, re-rate, until the speed stops rising):
+    shorter than the run where drafting does not pay even when right, longer where a measured wider verify
+    costs less. Every fixed k <= cap and every (threshold, cap) policy replayed on the same steps is one choice
+    of n at no lower cost, so none is faster: the ceiling of any stop rule there."""
+    n = np.arange(cap + 1)
+    tokens = np.minimum(n, np.asarray(accepted)[:, None]) + 1.0
+    cost = n * costs["draft"] + np.array([costs["verify"][int(w)] for w in n + 1])
+    allowed = n <= np.minimum(cap, proposed)[:, None]
+    speed, rows = 0.0, np.arange(len(tokens))
+    while True:
+        pick = np.where(allowed, tokens - speed * cost, -np.inf).argmax(1)
+        got = float(tokens[rows, pick].sum()), float(cost[pick].sum())
+        if prefix_only or not got[1] or got[0] / got[1] <= speed * (1 + 1e-12):
+            return got
+        speed = got[0] / got[1]
 
 
 def candidate_thresholds(risk: np.ndarray) -> list[float]:
