@@ -32,7 +32,7 @@ import json
 import math
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,7 @@ GATE = ["temperature", *MODEL_HISTORY]
 THRESHOLD_QUANTILES = np.linspace(0.05, 0.95, 19)
 GATE_QUANTILES = np.linspace(0.05, 0.5, 10)
 L2 = 1e-2
+NOISE_SD = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)  # on an exact 0/1 signal: AUC from 1 down to ~0.6
 NOTES = "## What this says"
 
 
@@ -132,7 +133,6 @@ class Rule:
     token: np.ndarray | None = None
     gate: np.ndarray | None = None
     gate_at: float = -math.inf
-    parts: dict = field(default_factory=dict)
 
     def request(self, req: dict, costs: dict) -> tuple[float, float]:
         """Tokens and plain-step cost of the request's steps under this rule (stop.replay's step model)."""
@@ -173,7 +173,7 @@ def grid(base: Rule, reqs: list[dict], costs: dict, cuts: list[float], gates: li
     for cap in range(max(r["k"] for r in reqs) + 1):
         for thresholds in (pairs if cap else pairs[:1]):
             for gate_at in (gates if cap else gates[:1]):
-                rule = Rule(base.name, cap, thresholds, base.token, base.gate, gate_at, base.parts)
+                rule = Rule(base.name, cap, thresholds, base.token, base.gate, gate_at)
                 got = pooled(replayed(rule, reqs, costs))
                 if got > speed + 1e-9:
                     best, speed = rule, got
@@ -255,16 +255,35 @@ def streaks(tokens: pd.DataFrame) -> dict:
 
 
 def score(rules: list[Rule], train: dict, test: dict) -> dict:
+    """The rules fitted on train (and its estimator.json) on test's requests whose prompt train did not run."""
     seen = {r["text"] for r in train["requests"]}
     reqs = [r for r in test["widest"] if r["text"] not in seen]
-    costs, cap = test["costs"], test["k"]
+    costs, cap, estimator = test["costs"], test["k"], train["estimator"]
+    replays = {rule.name: replayed(rule, reqs, costs) for rule in rules}
+    replays["estimator.json (fit pass)"] = np.array(
+        [stop.replay(*exact_arrays(r, estimator.signal, cap), *policy(estimator, r["row"]), costs) for r in reqs])
+    return {**against_fixed(replays, reqs, costs, cap), "left_out_seen_prompts": len(test["widest"]) - len(reqs)}
+
+
+def cross_validated(p: dict) -> dict:
+    """Leave one prompt out within a pass: each prompt's request at K under the rules fitted on the others."""
+    held, replays = [], {}
+    for text in dict.fromkeys(r["text"] for r in p["widest"]):
+        rest = [r for r in p["requests"] if r["text"] != text]
+        rules, _ = fit({**p, "requests": rest, "widest": [r for r in rest if r["k"] == p["k"]]})
+        mine = [r for r in p["widest"] if r["text"] == text]
+        held += mine
+        for rule in rules:
+            replays.setdefault(rule.name, []).extend(replayed(rule, mine, p["costs"]))
+    return {**against_fixed({n: np.array(r) for n, r in replays.items()}, held, p["costs"], p["k"]),
+            "left_out_seen_prompts": 0}
+
+
+def against_fixed(replays: dict, reqs: list[dict], costs: dict, cap: int) -> dict:
+    """Each replay [requests, (tokens, cost)], the perfect signal and the oracle over the best fixed k of reqs,
+    90 % bootstrap over requests."""
     fixed = np.array([replayed(Rule("fixed", k), reqs, costs) for k in range(cap + 1)])
     perfect = np.array([[exact_request(r, k, costs) for r in reqs] for k in range(cap + 1)])
-    estimator = train["estimator"]
-    fitted = np.array([stop.replay(*exact_arrays(r, estimator.signal, cap), *policy(estimator, r["row"]), costs)
-                       for r in reqs])
-    replays = {rule.name: replayed(rule, reqs, costs) for rule in rules}
-    replays["estimator.json (fit pass)"] = fitted
 
     def ratios(draw):
         best = pooled(fixed[:, draw]).max()
@@ -279,10 +298,31 @@ def score(rules: list[Rule], train: dict, test: dict) -> dict:
     draws = np.random.default_rng(0).integers(0, len(reqs), size=(RESAMPLES, len(reqs)))
     boot = pd.DataFrame([ratios(d) for d in draws])
     speeds = pooled(fixed)
-    return {"requests": len(reqs), "left_out_seen_prompts": len(test["widest"]) - len(reqs),
-            "steps": sum(len(r["steps"]) for r in reqs), "k": cap, "best_fixed": f"k={int(speeds.argmax())}",
-            "best_fixed_speed": round(float(speeds.max()), 4),
+    return {"requests": len(reqs), "steps": sum(len(r["steps"]) for r in reqs), "k": cap,
+            "best_fixed": f"k={int(speeds.argmax())}", "best_fixed_speed": round(float(speeds.max()), 4),
             "ratios": {n: {"ratio": round(float(point[n]), 4), "ci90": interval(boot[n])} for n in point}}
+
+
+def needed(p: dict) -> list[dict]:
+    """How good a signal has to be (modelled, in-sample, pooled steps at K): an exact signal (1 from a step's first
+    rejected token on, else 0) plus Gaussian noise of each sd; its AUC on tested tokens and its best (threshold,
+    cap) policy over the best fixed k."""
+    arrays = [exact_arrays(r, "entropy", p["k"]) for r in p["widest"]]
+    proposed, accepted = np.concatenate([a[1] for a in arrays]), np.concatenate([a[2] for a in arrays])
+    position = np.arange(p["k"])
+    inside = position < proposed[:, None]
+    tested, label = inside & (position <= accepted[:, None]), position < accepted[:, None]
+    caps = list(range(p["k"] + 1))
+    best_fixed = max(np.divide(*stop.replay(exact_risk(accepted, p["k"]), proposed, accepted, np.inf, k, p["costs"]))
+                     for k in caps)
+    out, noise = [], np.random.default_rng(0).normal(size=inside.shape)
+    for sd in NOISE_SD:
+        risk = np.where(inside, exact_risk(accepted, p["k"]) + sd * noise, np.inf)
+        by_cap = {c: (risk, proposed, accepted) for c in caps}
+        _, cap, speed = stop.best_policy(by_cap, p["costs"], stop.candidate_thresholds(risk), caps)
+        out.append({"noise_sd": float(sd), "auc": round(stop.auc(-risk[tested], label[tested]), 4), "cap": cap,
+                    "ratio": round(float(speed / best_fixed), 4)})
+    return out
 
 
 def exact_arrays(req: dict, signal: str, cap: int):
@@ -320,7 +360,8 @@ def main():
             "auc_scored": signal_auc(token_frame([r for r in test["requests"]
                                                   if r["text"] not in {q["text"] for q in train["requests"]}]),
                                      models),
-            "scored": score(rules, train, test), "fit_on_itself": score(rules, {**train, "requests": []}, train)})
+            "scored": score(rules, train, test), "fit_on_itself": score(rules, {**train, "requests": []}, train),
+            "fit_cross_validated": cross_validated(train), "needed_fit": needed(train)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"commit": provenance.commit(), "command": "python3 " + shlex.join(sys.argv), "resamples": RESAMPLES,
@@ -367,11 +408,18 @@ def tables(doc: dict) -> str:
                   f"({k['after_accepted']['steps']} steps), {k['after_rejected']['rate']:.0%} after one whose "
                   f"first was rejected ({k['after_rejected']['steps']})."),
                   "", row(["rule", "fitted (cap, thresholds after reject/accept, gate)", "in-sample / best fixed",
-                           "**scored / best fixed**"]), row(["---"] * 4)]
+                           "fit pass, leave one prompt out / best fixed", "**scored / best fixed**"]),
+                  row(["---"] * 5)]
         for name in s["ratios"]:
             rule = d["rules"].get(name)
             shown = "-" if rule is None else f"{rule['cap']}, {rule['thresholds']}, {rule['gate_at']}"
-            lines.append(row([name, shown, show(own["ratios"][name]), f"**{show(s['ratios'][name])}**"]))
+            cv = d["fit_cross_validated"]["ratios"].get(name)
+            lines.append(row([name, shown, show(own["ratios"][name]), show(cv) if cv else "-",
+                              f"**{show(s['ratios'][name])}**"]))
+        lines += ["", ("How good a signal has to be (fit pass, modelled, in-sample): an exact signal plus Gaussian noise, "
+                       "its AUC on tested tokens and the best (threshold, cap) rule over the best fixed k."), "",
+                  row(["noise sd", "AUC", "cap", "ratio / best fixed"]), row(["---"] * 4)]
+        lines += [row([n["noise_sd"], n["auc"], n["cap"], f"{n['ratio']:.3f}"]) for n in d["needed_fit"]]
         lines.append("")
     return "\n".join(lines)
 
