@@ -16,7 +16,7 @@ Rules (each fitted by grid on the fit pass's steps at its largest k, K, under it
 step by step in order on the scored pass's steps at K under its costs, the history being what the rule itself
 observed (a step it does not draft observes nothing):
   entropy            stop before a token of entropy above t, cap c (one band: the estimator has per-band ones);
-  entropy | previous the threshold depends on whether the previous drafted step accepted its first token;
+  entropy split on previous the threshold depends on whether the previous drafted step accepted its first token;
   logistic           stop before a token of predicted acceptance below t: entropy, top-1, position, temperature;
   logistic+history   the same with the history signals;
   +gate              and, before drafting, skip the step when a history + temperature model of the first token's
@@ -215,7 +215,7 @@ def fit(train: dict) -> tuple[list[Rule], dict]:
 
     gate_cuts = cuts_of(logit(gate, first[GATE].to_numpy()), GATE_QUANTILES)
     rules = [grid(Rule("entropy", 0), reqs, costs, entropy_cuts, [-math.inf], False),
-             grid(Rule("entropy | previous", 0), reqs, costs, entropy_cuts, [-math.inf], True),
+             grid(Rule("entropy split on previous", 0), reqs, costs, entropy_cuts, [-math.inf], True),
              grid(Rule("logistic", 0, token=models["logistic"]), reqs, costs, logit_cuts(models["logistic"]),
                   [-math.inf], False),
              grid(Rule("logistic+history", 0, token=full), reqs, costs, logit_cuts(full), [-math.inf], False),
