@@ -16,7 +16,8 @@ Rules (each fitted by grid on the fit pass's steps at its largest k, K, under it
 step by step in order on the scored pass's steps at K under its costs, the history being what the rule itself
 observed (a step it does not draft observes nothing):
   entropy            stop before a token of entropy above t, cap c (one band: the estimator has per-band ones);
-  entropy split on previous the threshold depends on whether the previous drafted step accepted its first token;
+  entropy split on previous
+                     its threshold depends on whether the previous drafted step accepted its first token;
   logistic           stop before a token of predicted acceptance below t: entropy, top-1, position, temperature;
   logistic+history   the same with the history signals;
   +gate              and, before drafting, skip the step when a history + temperature model of the first token's
@@ -24,7 +25,9 @@ observed (a step it does not draft observes nothing):
   estimator.json     the fit pass's estimator as fitted (per-band threshold, per-request cap: bench_stop_ceiling).
 Ratios against the best fixed k = 0..K of the scored steps (stop.replay), with the perfect-signal rule and the
 oracle beside them (bench_stop_ceiling's), 90 % bootstrap over requests, the best fixed k chosen again each time.
-A scored request whose prompt the fit pass also ran is left out of the score. Writes DIR/signals.json and
+A scored request whose prompt the fit pass also ran is left out of the score. Beside it, within the fit pass:
+leave one prompt out (the rules fitted again without it), and how good a signal has to be: an exact signal
+plus Gaussian noise, its AUC and its best (threshold, cap) rule (modelled, in-sample). Writes DIR/signals.json and
 DIR/README.md (text below the README's NOTES line is kept).
 """
 import argparse
