@@ -21,14 +21,14 @@ CAP_ZERO = {"feature": "prompt_tokens", "thresholds": [], "temperature_edges": [
 
 
 class Recorded:
-    """The engine's target runner, every call recorded as (width, num_layers, logits_from)."""
+    """The engine's target runner, every call recorded as (width, num_layers, which logits)."""
 
     def __init__(self, runner):
         self.runner, self.calls = runner, []
 
-    def __call__(self, input_ids, input_pos, rows, kv_len, num_layers=None, logits_from=0):
-        self.calls.append((input_ids.shape[1], num_layers, logits_from))
-        return self.runner(input_ids, input_pos, rows, kv_len, num_layers=num_layers, logits_from=logits_from)
+    def __call__(self, input_ids, input_pos, rows, kv_len, num_layers=None, **head):
+        self.calls.append((input_ids.shape[1], num_layers, tuple(sorted(head.items()))))
+        return self.runner(input_ids, input_pos, rows, kv_len, num_layers=num_layers, **head)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from autotune.embedded.config import MAX_DRAFT_LENGTH, EngineConfig, GenerationRequest, SamplingParams
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
+from autotune.embedded.generate import ENTROPY_POSITIONS
 from autotune.embedded.model import KVCache
 from autotune.embedded.runner import MAX_GRAPH_WIDTH, WIDTH_BUCKETS, ModelRunner, bucket
 from autotune.embedded.scheduler import Engine
@@ -212,3 +213,42 @@ def test_fixed_step_shape_gives_the_same_greedy_tokens_with_or_without_drafts(ti
         assert engine.stats()["accepted_tokens"] > 0
     finally:
         engine.stop()
+
+
+class RecordedWidths:
+    """A runner wrapper: the width of every target forward, in order."""
+
+    def __init__(self, runner):
+        self.runner, self.widths = runner, []
+
+    def __call__(self, input_ids, *args, **kwargs):
+        self.widths.append(input_ids.shape[1])
+        return self.runner(input_ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def test_a_prompt_is_prefilled_in_one_forward_with_the_entropy_of_its_leading_positions(tiny_checkpoint):
+    """A prompt longer than ENTROPY_POSITIONS, within one prefill_ubatch, reaches the target in one forward
+    before its decode steps (on a GPU an eager forward is tens of ms of launches, more than its compute), and
+    the prompt entropy is still the mean next-token entropy of its first ENTROPY_POSITIONS positions, as a
+    forward over those positions alone gives it."""
+    engine = Engine(EngineConfig(model=tiny_checkpoint, drafter="none", verify_slots=1, max_seq_len=160, threads=1))
+    engine.target = RecordedWidths(engine.target)
+    engine.start()
+    try:
+        prompt = "one two three four five six seven eight nine ten " * 6
+        ids = engine.tokenizer.encode(prompt)
+        assert ENTROPY_POSITIONS + 1 < len(ids) - 1 <= engine.config.prefill_ubatch
+        final = submit(engine, prompt, max_tokens=3, ignore_eos=True)[1].wait()
+    finally:
+        engine.stop()
+    assert engine.target.widths == [len(ids) - 1, 1, 1, 1]  # the prefill, then a step for each token
+
+    loaded = load_model(tiny_checkpoint, max_seq_len=160)
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids[:ENTROPY_POSITIONS]]), torch.arange(ENTROPY_POSITIONS)[None],
+                              KVCache(loaded.args, 1, 160, torch.float32), kv_len=160)
+    logp = torch.log_softmax(logits[0].float(), dim=-1)
+    assert final.prompt_entropy == pytest.approx(float(-(logp.exp() * logp).sum()) / ENTROPY_POSITIONS, rel=1e-4)

@@ -214,9 +214,10 @@ def prefill_chunk(target, drafter, input_ids: Tensor, start: int, row: Tensor | 
     input_pos = torch.arange(start, start + width, device=input_ids.device)[None]
     entropy_width = max(0, min(width, ENTROPY_POSITIONS - start))
     # Without entropy positions the head still runs once: int8 heads cannot take an empty batch.
-    logits = target(input_ids, input_pos, row, kv_len, logits_from=0 if entropy_width else width - 1)
+    head = {"logits_to": entropy_width} if entropy_width else {"logits_from": width - 1}
+    logits = target(input_ids, input_pos, row, kv_len, **head)
     drafter.prefill(input_ids, input_pos, row, kv_len)
     if not entropy_width:
         return None
-    logp = torch.log_softmax(logits[0, :entropy_width].float(), dim=-1)
+    logp = torch.log_softmax(logits[0].float(), dim=-1)
     return -(logp.exp() * logp).sum()

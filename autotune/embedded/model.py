@@ -215,13 +215,14 @@ class Transformer(nn.Module):
         num_layers: int | None = None,
         kv_len: int | None = None,
         logits_from: int = 0,
+        logits_to: int | None = None,
     ) -> Tensor:
-        """Logits [B, T - logits_from, V] for input_ids [B, T] at positions input_pos [B, T].
+        """Logits [B, logits_to - logits_from, V] (logits_to None: T) for input_ids [B, T] at positions input_pos [B, T].
 
         num_layers < n_layers runs only the first layers (early-exit drafting; the final norm and
         head are shared). kv_len bounds the attended cache (defaults to the whole cache; pass the
-        largest position + 1 to skip empty cache on CPU). logits_from skips the head for prefill
-        positions whose logits nobody reads.
+        largest position + 1 to skip empty cache on CPU). logits_from and logits_to skip the head for
+        prefill positions whose logits nobody reads.
         """
         kv_len = kv_len or cache.max_len
         mask = (torch.arange(kv_len, device=input_pos.device)[None, None, :] <= input_pos[:, :, None])[:, None]
@@ -229,4 +230,4 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(input_ids)
         for layer in self.layers[: num_layers or len(self.layers)]:
             x = layer(x, cos, sin, mask, cache, rows, input_pos, kv_len)
-        return self.output(self.norm(x[:, logits_from:]))
+        return self.output(self.norm(x[:, logits_from:logits_to]))

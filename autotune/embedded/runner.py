@@ -75,12 +75,17 @@ class ModelRunner:
         self.late_captures = 0  # graphs captured after warm_up (a shape warm_up did not foresee)
 
     def __call__(self, input_ids: Tensor, input_pos: Tensor, rows: Tensor | None, kv_len: int,
-                 num_layers: int | None = None, logits_from: int = 0) -> Tensor:
+                 num_layers: int | None = None, logits_from: int = 0, logits_to: int | None = None) -> Tensor:
         batch, width = input_ids.shape
         if logits_from or width > MAX_GRAPH_WIDTH:
             with sdpa_kernel(PREFILL_ATTENTION):
                 return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len,
-                                  logits_from=logits_from)
+                                  logits_from=logits_from, logits_to=logits_to)
+        return self._step(input_ids, input_pos, rows, kv_len, num_layers)[:, :logits_to]
+
+    def _step(self, input_ids: Tensor, input_pos: Tensor, rows: Tensor | None, kv_len: int,
+              num_layers: int | None) -> Tensor:
+        batch, width = input_ids.shape
         if not (self.compiled or self.graph_sizes or self.fixed_shape):  # eager: rows None reads the cache as a view
             return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len)
         rows = rows if rows is not None else torch.arange(batch, device=input_ids.device)

@@ -311,9 +311,9 @@ class Engine:
 
     def _prefill(self, seq: Sequence):
         start = seq.prefilled
+        # One forward a chunk: the head runs only on the entropy positions in it (prefill_chunk). On a GPU an
+        # eager forward is tens of ms of launches, more than the chunk's compute.
         end = min(seq.prompt_len - 1, start + self.config.prefill_ubatch)
-        if start < ENTROPY_POSITIONS:  # the entropy positions get their own chunk: the head runs only there
-            end = min(end, ENTROPY_POSITIONS)
         chunk = torch.from_numpy(seq.tokens[start:end]).to(self.device)[None]
         row = None if seq.slot == 0 else self.slot_rows[seq.slot]
         entropy = prefill_chunk(self.target, self.drafter, chunk, start, row, _bucket(end, self.target.cache.max_len))
