@@ -76,7 +76,7 @@ class ModelRunner:
 
     def __call__(self, input_ids: Tensor, input_pos: Tensor, rows: Tensor | None, kv_len: int,
                  num_layers: int | None = None, logits_from: int = 0, logits_to: int | None = None) -> Tensor:
-        batch, width = input_ids.shape
+        width = input_ids.shape[1]
         if logits_from or width > MAX_GRAPH_WIDTH:
             with sdpa_kernel(PREFILL_ATTENTION):
                 return self.model(input_ids, input_pos, self.cache, rows=rows, num_layers=num_layers, kv_len=kv_len,
