@@ -339,3 +339,33 @@ def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, monkeypat
     launch_cost = a["timings"]["launch_s"] + a["warmup_s"]
     assert launch_cost - (first.user_attrs["timings"]["launch_s"] + first.user_attrs["warmup_s"]) > limit
     assert a["timings"]["total_s"] > launch_cost  # in the trial's time: what the budget counts
+
+
+# -- the budget and launch sharing (issue 16 point 6) -----------------------------------------------------
+@pytest.mark.slow
+def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_server(studies):
+    """With less time left than a trial with its launch but more than one without, the next queued trial runs
+    when it changes only runtime knobs of the live server (draft_length), and none runs when it needs a
+    launch (verify_slots). On the H200 a compiled launch was 45-58 s of a 60 s trial: charging every trial a
+    launch stopped a 150 s study before its second n-gram seed, which needed none."""
+    p = plan.build(plan.RunOptions(trials=5, study="reuse-budget", sets=ONE_SERVER + ["draft_length=3,5",
+                                                                                         "verify_slots=1,2"], **SMALL))
+    study, _ = storage.open_study(p.name, p.storage, [("output_tok_s", "maximize")],
+                                  optuna.samplers.RandomSampler(seed=0), None, resume=False)
+    first = {**p.space.defaults(), "draft_length": 3, "verify_slots": 1}
+    fleet = loop.Fleet(p)
+    servers, notes = fleet.servers[0], []
+    fleet.study, fleet.view, fleet.stop_request = study, type("View", (), {"note": notes.append})(), loop.Stop(None)
+    servers.ensure(first, studies / "first.log")
+    try:
+        loop.enqueue(p, study, [{**first, "draft_length": 5}, {**first, "verify_slots": 2}])
+        fleet.finished = [(60.0, 50.0)]  # one trial so far: 60 s, 50 of them launching its server
+        fleet.deadline = time.time() + 30.0
+        reusing = fleet._next_trial(servers)
+        assert reusing is not None and p.space.suggest(reusing)["draft_length"] == 5 and not notes
+        study.tell(reusing, 1.0)
+        assert fleet._next_trial(servers) is None and notes == ["budget reached: no new trials"]
+    finally:
+        servers.stop()
+    assert loop.next_trial_seconds([(60.0, 50.0), (20.0, 0.5), (64.0, 48.0)], reuses_server=True) == 16.0
+    assert loop.next_trial_seconds([(60.0, 50.0), (20.0, 0.5), (64.0, 48.0)], reuses_server=False) == 60.0
