@@ -50,11 +50,15 @@ def main():
     recorded = RESULTS.glob("estimator-*/**/estimator-data.parquet")
     dirs = [Path(d) for d in args.dirs] or sorted(p.parent for p in recorded if traced(p.parent))
     docs = [ceiling(d) for d in dirs]
-    out = Path(args.out)
+    write_results(Path(args.out), "ceiling.json", {"goal": GOAL, "resamples": RESAMPLES, "passes": docs}, tables)
+
+
+def write_results(out: Path, name: str, doc: dict, tables) -> None:
+    """out/name (doc with the commit and the command) and out/README.md (tables(doc)), keeping the README's
+    hand-written part below NOTES."""
     out.mkdir(parents=True, exist_ok=True)
-    command = "python3 " + shlex.join(sys.argv)
-    doc = {"commit": provenance.commit(), "command": command, "goal": GOAL, "resamples": RESAMPLES, "passes": docs}
-    (out / "ceiling.json").write_text(json.dumps(doc, indent=1) + "\n")
+    doc = {"commit": provenance.commit(), "command": "python3 " + shlex.join(sys.argv), **doc}
+    (out / name).write_text(json.dumps(doc, indent=1) + "\n")
     readme = out / "README.md"
     notes = readme.read_text().partition(NOTES)[2] if readme.exists() else ""
     readme.write_text(tables(doc) + (f"\n{NOTES}{notes}" if notes else ""))

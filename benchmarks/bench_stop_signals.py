@@ -33,7 +33,6 @@ DIR/README.md (text below the README's NOTES line is kept).
 import argparse
 import json
 import math
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +42,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's autotune, run from anywhere
 
-from bench_stop_ceiling import exact_risk, interval, policy, pooled
+from bench_stop_ceiling import exact_risk, interval, policy, pooled, write_results
 
-from autotune import provenance
 from autotune.embedded.draft_policy import load_estimator
 from autotune.estimator import stop
 
@@ -60,7 +58,6 @@ THRESHOLD_QUANTILES = np.linspace(0.05, 0.95, 19)
 GATE_QUANTILES = np.linspace(0.05, 0.5, 10)
 L2 = 1e-2
 NOISE_SD = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)  # on an exact 0/1 signal: AUC from 1 down to ~0.6
-NOTES = "## What this says"
 
 
 class History:
@@ -365,15 +362,8 @@ def main():
                                      models),
             "scored": score(rules, train, test), "fit_on_itself": score(rules, {**train, "requests": []}, train),
             "fit_cross_validated": cross_validated(train), "needed_fit": needed(train)})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {"commit": provenance.commit(), "command": "python3 " + shlex.join(sys.argv), "resamples": RESAMPLES,
-           "ema_keep": EMA_KEEP, "prior": PRIOR, "directions": directions}
-    (out / "signals.json").write_text(json.dumps(doc, indent=1) + "\n")
-    readme = out / "README.md"
-    notes = readme.read_text().partition(NOTES)[2] if readme.exists() else ""
-    readme.write_text(tables(doc) + (f"\n{NOTES}{notes}" if notes else ""))
-    print(tables(doc))
+    write_results(Path(args.out), "signals.json",
+                  {"resamples": RESAMPLES, "ema_keep": EMA_KEEP, "prior": PRIOR, "directions": directions}, tables)
 
 
 def parse():
