@@ -217,7 +217,8 @@ class Transformer(nn.Module):
         logits_from: int = 0,
         logits_to: int | None = None,
     ) -> Tensor:
-        """Logits [B, logits_to - logits_from, V] (logits_to None: T) for input_ids [B, T] at positions input_pos [B, T].
+        """Logits [B, logits_to - logits_from, V] (logits_to None: T) for input_ids [B, T] at positions
+        input_pos [B, T].
 
         num_layers < n_layers runs only the first layers (early-exit drafting; the final norm and
         head are shared). kv_len bounds the attended cache (defaults to the whole cache; pass the
