@@ -7,6 +7,9 @@
 2. The greedy step on host arrays (ModelRunner.host_greedy): one copy in, the graph, one copy out, against
    the general path (the step's inputs built, padded and accepted with device ops). Measured as decode
    ms per token of one request (plain and n-gram), alternating the two, after the prompt is in.
+3. A prompt chunk in one forward, the head only on its entropy positions, against the entropy positions
+   fed as a chunk of their own first (the scheduler before 8a0247a: two eager forwards for every prompt past
+   ENTROPY_POSITIONS). Measured as the time to the first token at unseen lengths, alternating the two.
 
 The engine is the bundled model in bf16 with inductor and a CUDA graph for batch 1, one slot, as
 bench_embedded.py runs it against llama.cpp.
@@ -24,8 +27,26 @@ from bench_embedded import timed  # one greedy request, timed, failing loudly if
 
 from autotune import provenance
 from autotune.embedded import runner as runner_module
+from autotune.embedded import scheduler as scheduler_module
 from autotune.embedded.config import EngineConfig
+from autotune.embedded.generate import ENTROPY_POSITIONS, prefill_chunk
 from autotune.embedded.scheduler import Engine
+
+
+def entropy_chunk_first(target, drafter, input_ids, start, row, kv_len):
+    """prefill_chunk as the scheduler fed it before 8a0247a: the entropy positions as a chunk of their own."""
+    split = ENTROPY_POSITIONS - start
+    if not 0 < split < input_ids.shape[1]:
+        return prefill_chunk(target, drafter, input_ids, start, row, kv_len)
+    entropy = prefill_chunk(target, drafter, input_ids[:, :split], start, row, kv_len)
+    prefill_chunk(target, drafter, input_ids[:, split:], ENTROPY_POSITIONS, row, kv_len)
+    return entropy
+
+
+def first_token_table(runs_by_variant: dict) -> dict:
+    return {name: {"lengths": [n for n, _ in runs], "ms": [round(s * 1e3, 1) for _, s in runs],
+                   "median_ms": round(statistics.median(s for _, s in runs) * 1e3, 1)}
+            for name, runs in runs_by_variant.items()}
 
 
 def main():
@@ -58,9 +79,17 @@ def main():
                 length = next(lengths)
                 runs.append((length, timed(engine, rng.integers(100, 10000, length).tolist(), 1, 0)[0]))
         runner_module.sdpa_kernel = torch.nn.attention.sdpa_kernel
-        result["first_token_ms_at_unseen_lengths"] = {
-            name: {"lengths": [n for n, _ in runs], "ms": [round(s * 1e3, 1) for _, s in runs],
-                   "median_ms": round(statistics.median(s for _, s in runs) * 1e3, 1)} for name, runs in ttft.items()}
+        result["first_token_ms_at_unseen_lengths"] = first_token_table(ttft)
+
+        # 3. prefill: one forward a chunk vs the entropy positions first, at unseen lengths, alternating
+        ttft = {"one_forward": [], "entropy_chunk_first": []}
+        for _ in range(args.repeats):
+            for name, runs in ttft.items():
+                scheduler_module.prefill_chunk = entropy_chunk_first if name != "one_forward" else prefill_chunk
+                length = next(lengths)
+                runs.append((length, timed(engine, rng.integers(100, 10000, length).tolist(), 1, 0)[0]))
+        scheduler_module.prefill_chunk = prefill_chunk
+        result["first_token_ms_prefill_forwards"] = first_token_table(ttft)
 
         # 2. decode: ms per token after the prompt is in, host path vs general path, plain and n-gram
         prompt = ("def area(width, height):\n    return width * height\n\n# Same function, with type hints:\n"
