@@ -215,27 +215,15 @@ def test_fixed_step_shape_gives_the_same_greedy_tokens_with_or_without_drafts(ti
         engine.stop()
 
 
-class RecordedWidths:
-    """A runner wrapper: the width of every target forward, in order."""
-
-    def __init__(self, runner):
-        self.runner, self.widths = runner, []
-
-    def __call__(self, input_ids, *args, **kwargs):
-        self.widths.append(input_ids.shape[1])
-        return self.runner(input_ids, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-
 def test_a_prompt_is_prefilled_in_one_forward_with_the_entropy_of_its_leading_positions(tiny_checkpoint):
     """A prompt longer than ENTROPY_POSITIONS, within one prefill_ubatch, reaches the target in one forward
     before its decode steps (on a GPU an eager forward is tens of ms of launches, more than its compute), and
     the prompt entropy is still the mean next-token entropy of its first ENTROPY_POSITIONS positions, as a
     forward over those positions alone gives it."""
+    from test_estimator_cap_zero import Recorded  # the engine's target runner, every call recorded
+
     engine = Engine(EngineConfig(model=tiny_checkpoint, drafter="none", verify_slots=1, max_seq_len=160, threads=1))
-    engine.target = RecordedWidths(engine.target)
+    engine.target = Recorded(engine.target)
     engine.start()
     try:
         prompt = "one two three four five six seven eight nine ten " * 6
@@ -244,7 +232,7 @@ def test_a_prompt_is_prefilled_in_one_forward_with_the_entropy_of_its_leading_po
         final = submit(engine, prompt, max_tokens=3, ignore_eos=True)[1].wait()
     finally:
         engine.stop()
-    assert engine.target.widths == [len(ids) - 1, 1, 1, 1]  # the prefill, then a step for each token
+    assert [width for width, _, _ in engine.target.calls] == [len(ids) - 1, 1, 1, 1]  # the prefill, then a step for each token
 
     loaded = load_model(tiny_checkpoint, max_seq_len=160)
     with torch.inference_mode():
