@@ -57,6 +57,9 @@ def serve(
                                    "and concurrency on CUDA; unverified on a GPU yet)"),
     step_attention: str = typer.Option(_SERVE_DEFAULTS.step_attention, help=" | ".join(_engine_config.STEP_ATTENTIONS)
                                        + " (triton: the split-cache step kernel, CUDA; auto: triton where it runs)"),
+    prefill_graphs: str = typer.Option(_SERVE_DEFAULTS.prefill_graphs, help=" | ".join(_engine_config.PREFILL_GRAPHS)
+                                       + " (on: prefill chunks replay CUDA graphs, one per width bucket, where "
+                                       "--cuda-graph-batch-sizes captures the steps')"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's)"),
     device: str = typer.Option(_SERVE_DEFAULTS.device, help="auto | cpu | cuda | cuda:N"),
     max_seq_len: int = typer.Option(_SERVE_DEFAULTS.max_seq_len, help="context length (KV cache per slot)"),

@@ -10,6 +10,10 @@
 3. A prompt chunk in one forward, the head only on its entropy positions, against the entropy positions
    fed as a chunk of their own first (the scheduler before 8a0247a: two eager forwards for every prompt past
    ENTROPY_POSITIONS). Measured as the time to the first token at unseen lengths, alternating the two.
+4. Prefill chunks replaying a CUDA graph per width bucket (runner.prefill_buckets) against the eager prefill
+   (`--prefill-graphs off`). Levers 1 and 3 run with the eager prefill, which is what they change. Measured as
+   the time to the first token at unseen lengths, short prompts (within one chunk) and long ones, alternating
+   the two, and the share of the first 32 greedy tokens the two give alike.
 
 The engine is the bundled model in bf16 with inductor and a CUDA graph for batch 1, one slot, as
 bench_embedded.py runs it against llama.cpp.
@@ -69,6 +73,7 @@ def main():
               "config": str(config), "torch": torch.__version__}
     try:
         timed(engine, rng.integers(100, 10000, 64).tolist(), 16, 0)  # allocator, first touch
+        prefill_widths, engine.target.prefill_widths = engine.target.prefill_widths, ()  # levers 1, 3: eager
 
         # 1. prefill: unseen lengths, the variants alternating
         ttft = {"no_cudnn": [], "cudnn": []}
@@ -90,6 +95,24 @@ def main():
                 runs.append((length, timed(engine, rng.integers(100, 10000, length).tolist(), 1, 0)[0]))
         scheduler_module.prefill_chunk = prefill_chunk
         result["first_token_ms_prefill_forwards"] = first_token_table(ttft)
+
+        # 4. prefill: graphs per width bucket vs eager, at unseen lengths (short, then long), alternating
+        for span, lengths_of_span in (("short", range(40, 250, 7)), ("long", range(300, 1500, 37))):
+            ttft, agree = {"graphs": [], "eager": []}, []
+            span_lengths = iter(lengths_of_span)
+            for r in range(args.repeats):
+                length = next(span_lengths)
+                prompt = rng.integers(100, 10000, length).tolist()
+                tokens = {}
+                for name in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
+                    engine.target.prefill_widths = prefill_widths if name == "graphs" else ()
+                    ttft[name].append((length, timed(engine, prompt, 1, 0)[0]))
+                    tokens[name] = timed(engine, prompt, 32, 0)[1]
+                agree.append(sum(a == b for a, b in zip(*tokens.values())) / len(tokens["graphs"]))
+            result[f"first_token_ms_prefill_graphs_{span}"] = {
+                **first_token_table(ttft), "prefill_widths": list(prefill_widths),
+                "same_greedy_token_share": [round(a, 3) for a in agree]}
+        engine.target.prefill_widths = prefill_widths
 
         # 2. decode: ms per token after the prompt is in, host path vs general path, plain and n-gram
         prompt = ("def area(width, height):\n    return width * height\n\n# Same function, with type hints:\n"

@@ -240,3 +240,26 @@ def test_a_prompt_is_prefilled_in_one_forward_with_the_entropy_of_its_leading_po
                               KVCache(loaded.args, 1, 160, torch.float32), kv_len=160)
     logp = torch.log_softmax(logits[0].float(), dim=-1)
     assert final.prompt_entropy == pytest.approx(float(-(logp.exp() * logp).sum()) / ENTROPY_POSITIONS, rel=1e-4)
+
+
+def test_a_prefill_chunk_padded_to_its_width_bucket_leaves_the_logits_and_the_cache_of_the_unpadded_one(tiny_checkpoint):
+    """Prefill chunks pad up to a width bucket (on CUDA, to replay one graph per bucket). The padding columns
+    write the cache after the chunk, up to its end (clamped there), so the chunk's logits and every later
+    step must be what the unpadded chunk gives: here in slot 1 of 3, the second chunk's padding past the
+    cache's last position."""
+    loaded = load_model(tiny_checkpoint, max_seq_len=64)
+    padded = ModelRunner(loaded.model, KVCache(loaded.args, 3, 64, torch.float32), scratch_slot=2,
+                         prefill_widths=(32, 48))
+    plain = ModelRunner(loaded.model, KVCache(loaded.args, 3, 64, torch.float32))
+    prompt = torch.randint(100, 1000, (1, 56), generator=torch.Generator().manual_seed(0))
+    row = torch.tensor([1])
+    with torch.inference_mode():
+        for start, end, head in ((0, 20, {"logits_to": 12}), (20, 56, {"logits_from": 35})):  # pads to 32, then 48
+            chunk, pos = prompt[:, start:end], torch.arange(start, end)[None]
+            got, want = (r(chunk, pos, row, 64, **head) for r in (padded, plain))
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+        token = want[:, -1].argmax(-1, keepdim=True)
+        for position in range(56, 63):  # greedy steps over the positions the padding wrote
+            got, want = (r(token, torch.tensor([[position]]), row, 64) for r in (padded, plain))
+            assert torch.allclose(got, want, atol=1e-5)
+            token = want[:, -1].argmax(-1, keepdim=True)

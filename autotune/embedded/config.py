@@ -13,12 +13,15 @@ STEP_SHAPES = ("bucketed", "fixed")
 # Attention of decode/verify steps: triton is kernels/step_attention.py (CUDA, split over the cache); auto takes it
 # on CUDA when Triton is installed, else sdpa (PyTorch's scaled_dot_product_attention with the position mask).
 STEP_ATTENTIONS = ("auto", "sdpa", "triton")
+# on: where step graphs are captured (cuda_graph_batch_sizes), prefill chunks replay graphs too, one per width
+# bucket (runner.prefill_buckets); off: prefill runs eagerly, tens of ms of kernel launches a chunk on a GPU.
+PREFILL_GRAPHS = ("on", "off")
 MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
 RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
 CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
            "compile": COMPILE_BACKENDS, "step_shape": STEP_SHAPES,
-           "step_attention": STEP_ATTENTIONS}
+           "step_attention": STEP_ATTENTIONS, "prefill_graphs": PREFILL_GRAPHS}
 
 
 @dataclass
@@ -42,6 +45,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)  # CUDA only; empty = no graphs
     step_shape: str = "bucketed"  # fixed: one padded shape for every step (runner.py), for exact greedy on CUDA
     step_attention: str = "auto"
+    prefill_graphs: str = "on"
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_seq_len: int = 2048  # KV cache length per slot

@@ -35,7 +35,7 @@ from autotune.embedded.generate import (
     speculative_step,
 )
 from autotune.embedded.model import KVCache
-from autotune.embedded.runner import MAX_GRAPH_WIDTH, ModelRunner
+from autotune.embedded.runner import MAX_GRAPH_WIDTH, ModelRunner, prefill_buckets
 from autotune.embedded.sampling import SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ class Engine:
         fixed = config.step_shape == "fixed"
         scratch = slots if graphs or fixed else None  # one more cache slot, for the padding rows of a step
 
+        graphed_prefill = graphs and config.prefill_graphs == "on"
+        prefill_widths = prefill_buckets(min(config.prefill_ubatch, self.max_seq_len)) if graphed_prefill else ()
         step_attention = _step_attention(config.step_attention, self.device)
         if step_attention:
             log.info("step attention: triton (kernels/step_attention.py)")
@@ -117,7 +119,8 @@ class Engine:
             if step_attention:
                 model.use_step_attention(*step_attention)
             cache = KVCache(args, slots + (scratch is not None), cache_len, dtype, self.device)
-            return ModelRunner(model, cache, config.compile, graphs, scratch_slot=scratch, fixed_shape=fixed_shape)
+            return ModelRunner(model, cache, config.compile, graphs, scratch_slot=scratch, fixed_shape=fixed_shape,
+                               prefill_widths=prefill_widths)
 
         self.target = runner(target.model, target.args, fixed_shape=fixed)
         warm_ups = [(self.target, range(1, MAX_GRAPH_WIDTH + 1), (None,))]  # verify widths, short prompts
