@@ -3,7 +3,7 @@
     python3 benchmarks/bench_gpu_tuner.py prewarm --out DIR [--concurrency 1 4 8]
     python3 benchmarks/bench_gpu_tuner.py sweep   --out DIR [--engine embedded|llamacpp] [--concurrency 1 4 8]
     python3 benchmarks/bench_gpu_tuner.py tuner   --out DIR [--engine ...] --concurrency 4 [--trials 8 --budget 3m]
-    python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--engine ...] [--rounds 3]
+    python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--engine ...] [--rounds 3] [--concurrency 1 4 8]
     python3 benchmarks/bench_gpu_tuner.py summarize --out DIR [--engine ...]   # -> DIR/summary[-ENGINE].json
 
 prewarm: a fresh machine compiles each KV-cache shape once (the cache is static in the compiled graph, so each
@@ -221,7 +221,7 @@ def confirm(args):
     rows = {}
     for c, cell in sorted(best_cells(out, args.engine).items()):
         path = tuner_path(out, args.engine, c)
-        if not path.exists() or not json.loads(path.read_text()).get("winner_config"):
+        if c not in args.concurrency or not path.exists() or not json.loads(path.read_text()).get("winner_config"):
             continue
         sides = {"sweep_best": cell["config"], "tuner": json.loads(path.read_text())["winner_config"]}
         if adapter.effective(sides["sweep_best"]) == adapter.effective(sides["tuner"]):
@@ -252,7 +252,9 @@ def confirm(args):
         rows[c] = {side: {"values": v, "median": statistics.median(v)} for side, v in values.items()}
         rows[c]["ratio_tuner_over_sweep"] = rows[c]["tuner"]["median"] / rows[c]["sweep_best"]["median"]
         print(f"c={c}: {json.dumps(rows[c])}", flush=True)
-    sweep_path(out, args.engine, "confirm").write_text(json.dumps(rows, indent=1) + "\n")
+    confirmed = sweep_path(out, args.engine, "confirm")  # runs at other concurrencies add to it
+    earlier = json.loads(confirmed.read_text()) if confirmed.exists() else {}
+    confirmed.write_text(json.dumps({**earlier, **{str(c): row for c, row in rows.items()}}, indent=1) + "\n")
 
 
 def summarize(args):
