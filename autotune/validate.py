@@ -6,7 +6,8 @@ noisy measurements is biased upwards (the winner's curse). So the top K distinct
 (and the baseline: the study's engine-defaults trial, else the engine's own defaults) each get a
 fresh launch, a warm-up (compiling and graph capture are launch cost) and N benchmarks of the study's
 load; configurations that differ only in runtime settings (the draft length) share a launch and are
-measured in alternation, as the study's trials share a server (on a GPU a launch compiles for a minute). Per metric: median, MAD and a bootstrap 95% interval of the median. A configuration is demoted, with the reason written down, when it fails to
+measured in alternation, as the study's trials share a server (on a GPU a launch compiles for a minute); a
+repeat added to one of them is a launch of all of them (`next_round`), so they stay paired. Per metric: median, MAD and a bootstrap 95% interval of the median. A configuration is demoted, with the reason written down, when it fails to
 launch, has errors, misses an SLO in any repeat, or is noisy (MAD above `max_noise` of the median).
 Its greedy outputs are compared with the baseline's token by token (identical prompts, identical-token
 share, first divergence per prompt) and reported, not judged: with the baseline's numerics, greedy
@@ -335,15 +336,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         judged(baseline)
 
         # Close races get more repeats: the winner and each rival it does not beat beyond the noise.
-        while True:
-            winner, _ = pick_winner(results, metric, direction)
-            if winner is None:
-                break
-            close = [r for r in rivals(ctx, winner, results, baseline, metric, direction)
-                     if not beats(winner, r, metric, direction, confidence, looks)]
-            more = [r for r in (winner, *close) if len(r["runs"]) < max_repeats and not r.get("failure")]
-            if not close or not more:
-                break
+        while more := next_round(ctx, results, baseline, confidence=confidence, looks=looks, max_repeats=max_repeats):
             bar.update(task, total=bar.tasks[0].total + len(more))
             run(more, 1)
             for rec in more:
@@ -377,6 +370,27 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     ctx.best_dir.mkdir(parents=True, exist_ok=True)
     (ctx.best_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc
+
+
+def next_round(ctx: StudyContext, results: list[dict], baseline: dict, *, confidence: float, looks: int,
+               max_repeats: int) -> list[dict]:
+    """Who gets one more fresh launch: the winner and each rival it does not yet beat beyond the noise (below
+    `max_repeats`), with every runtime variant that shares a launch with one of them, so variants stay paired
+    launch for launch. Empty once the race is settled or capped."""
+    metric, direction = ctx.primary()
+    winner, _ = pick_winner(results, metric, direction)
+    if winner is None:
+        return []
+    close = [r for r in rivals(ctx, winner, results, baseline, metric, direction)
+             if not beats(winner, r, metric, direction, confidence, looks)]
+    more = [r for r in (winner, *close) if len(r["runs"]) < max_repeats and not r.get("failure")]
+    if not close or not more:
+        return []
+    chosen = {id(r) for r in more}
+    for group in launch_groups(ctx, results):
+        if any(id(r) in chosen for r in group):
+            more += [r for r in group if id(r) not in chosen and not r.get("failure")]
+    return more
 
 
 # -- beyond the noise --------------------------------------------------------------------------------

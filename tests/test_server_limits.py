@@ -2,9 +2,10 @@
 
 Hypothesis draws request bodies from the schema openai_api documents: every body it allows must get 200 and
 a well-formed response, every body it does not allow (one field broken at a time, or a body that is no JSON
-object) must get 400 within a second with `param` naming the field. The server must stay healthy and its
-/metrics must count every request sent, by status. Then `--request-timeout`: a request that outlives it, running
-or queued, ends with finish_reason "length" and frees its slot.
+object) must get 400 with `param` naming the field, refused before the engine sees it (its /metrics counters do
+not move). The server must stay healthy and its /metrics must count every request sent, by status. Then
+`--request-timeout`: a request that outlives it, running or queued, ends with finish_reason "length" and frees
+its slot. Nothing here is timed against this machine's speed: what is checked is counted.
 """
 import json
 import subprocess
@@ -148,17 +149,25 @@ def refused(draw, api: str, model: str) -> tuple[bytes, str | None]:
 
 
 # -- checks -----------------------------------------------------------------------------------------------
-def post(client: httpx.Client, api: str, raw: bytes) -> tuple[httpx.Response, float, list[dict] | None]:
-    """(response, seconds to the whole answer, stream payloads or None)."""
-    start = time.monotonic()
+def post(client: httpx.Client, api: str, raw: bytes) -> tuple[httpx.Response, list[dict] | None]:
+    """(response, stream payloads or None)."""
     response = client.post(PATHS[api], content=raw, headers={"content-type": "application/json"})  # streams read whole
-    elapsed = time.monotonic() - start
     sent[PATHS[api], response.status_code] += 1
     if not response.headers["content-type"].startswith("text/event-stream"):
-        return response, elapsed, None
+        return response, None
     lines = [line for line in response.text.splitlines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines), lines
-    return response, elapsed, [json.loads(line[6:]) for line in lines[:-1]]
+    return response, [json.loads(line[6:]) for line in lines[:-1]]
+
+
+# What the engine counts of the work it is given (autotune/embedded/metrics.py): a request the server refuses
+# must move none of them.
+ENGINE_WORK = ("autotune_requests_total", "autotune_prompt_tokens_total", "autotune_generation_tokens_total")
+
+
+def engine_work(client: httpx.Client) -> dict[str, float]:
+    lines = client.get("/metrics").text.splitlines()
+    return {name: float(value) for name, value in (line.split() for line in lines if line.split()[:1] and line.split()[0] in ENGINE_WORK)}
 
 
 def check_response(body: dict, api: str, model: str, response: httpx.Response, payloads: list[dict] | None):
@@ -193,20 +202,23 @@ def check_response(body: dict, api: str, model: str, response: httpx.Response, p
 @given(data=st.data(), api=st.sampled_from(sorted(PATHS)))
 def test_allowed_bodies_get_200_and_a_well_formed_response(server, data, api):
     body = data.draw(allowed(api, server.model))
-    response, _, payloads = post(server, api, json.dumps(body).encode())
+    response, payloads = post(server, api, json.dumps(body).encode())
     check_response(body, api, server.model, response, payloads)
 
 
 @settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), api=st.sampled_from(sorted(PATHS)))
-def test_refused_bodies_get_400_naming_the_field_within_a_second(server, data, api):
+def test_refused_bodies_get_400_naming_the_field_before_the_engine_sees_them(server, data, api):
     raw, param = data.draw(refused(api, server.model))
-    response, elapsed, _ = post(server, api, raw)
+    before = engine_work(server)
+    response, _ = post(server, api, raw)
     assert response.status_code == 400, (raw[:300], response.text)
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"], error
     assert error["param"] == param, (raw[:300], error)
-    assert elapsed < 1.0, (raw[:300], elapsed)
+    # Refused up front, not after the engine took it (submitted, prefilled or generated): counted, not timed,
+    # so that a loaded machine answers as slowly as it must.
+    assert engine_work(server) == before and len(before) == len(ENGINE_WORK), (raw[:300], before)
 
 
 def test_server_stays_healthy_and_metrics_count_every_request(server):
@@ -226,12 +238,16 @@ def test_server_stays_healthy_and_metrics_count_every_request(server):
 # -- the request timeout ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_request_timeout_ends_running_and_queued_requests_with_length(start_embedded_server):
+    # 480 tokens without a drafter: far more than any CPU decodes in the 3 s (each token reads the model's
+    # 540 MB of float32 weights), so both requests outlive their deadlines at any speed. What is checked is
+    # counted (tokens, the server's timeout counter), never how long a loaded machine took.
     timeout = 3.0
     server = start_embedded_server(drafter="none", verify_slots=1, max_seq_len=CONTEXT, request_timeout=timeout)
     long = {"prompt": "def fibonacci(n):", "max_tokens": 480, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=60) as client:
         start = time.monotonic()
-        with client.stream("POST", "/v1/completions", json=long | {"stream": True}) as running:
+        body = long | {"stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=body) as running:
             assert running.status_code == 200
             lines = iter(running.iter_lines())
             first = next(line for line in lines if line.startswith("data: "))  # it holds the only slot now
@@ -240,15 +256,18 @@ def test_request_timeout_ends_running_and_queued_requests_with_length(start_embe
             rest = [first] + [line for line in lines if line.startswith("data: ")]
         elapsed = time.monotonic() - start
         assert rest[-1] == "data: [DONE]"
-        chunks = [json.loads(line[6:]) for line in rest[:-1]]
+        *chunks, last = [json.loads(line[6:]) for line in rest[:-1]]
         streamed = "".join(c["choices"][0]["text"] for c in chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and streamed
+        assert last["choices"] == [] and 0 < last["usage"]["completion_tokens"] < 480  # cut short by the deadline
         assert queued.status_code == 200, queued.text
         choice, usage = queued.json()["choices"][0], queued.json()["usage"]
         assert choice["finish_reason"] == "length" and usage["completion_tokens"] < 480  # cut short by the deadline
-        assert elapsed < 2 * timeout + 10  # both ended at their deadlines, not after 480 tokens each
+        # Not cut before it: the running request's deadline is `timeout` after it arrived, after `start` (a lower
+        # bound that only grows on a slower machine).
+        assert elapsed >= timeout
         after = client.get("/metrics").text
-        assert "autotune_request_timeouts_total 2.0" in after
+        assert "autotune_request_timeouts_total 2.0" in after  # both ended at their deadlines
         assert "autotune_requests_running 0.0" in after and "autotune_requests_waiting 0.0" in after
         again = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2  # the slot is free
