@@ -3,16 +3,18 @@ import errno
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
-import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from conftest import plain_bind
 
 from autotune.engines import get_adapter
+from autotune.engines import launcher as launcher_module
 from autotune.engines.launcher import PORT_RETRIES, Launcher, LaunchError, free_port, release_port
 from autotune.space.space import load_space
 
@@ -222,14 +224,30 @@ def test_launcher_waits_for_readiness_and_stops_the_whole_group(tmp_path):
     assert not running(server.proc.pid) and not running(child)
 
 
-def test_launcher_kills_a_server_that_ignores_sigterm(tmp_path):
+def test_launcher_kills_a_server_that_ignores_sigterm(tmp_path, monkeypatch):
     code = SERVER.replace("import http.server", "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                                                 "import http.server")
     server = launcher(tmp_path, code, 0)
     server.start(timeout=30)
-    t0 = time.monotonic()
-    assert server.stop(grace_s=1.0) == -9
-    assert 0.9 < time.monotonic() - t0 < 10 and not running(server.proc.pid)
+    # The grace period runs on a virtual clock that only the launcher's own waits advance, and the signals it
+    # sends are recorded with that clock's reading: when SIGKILL follows SIGTERM is the launcher's arithmetic,
+    # not this machine's speed. The processes and the signals are real.
+    clock, sent = [0.0], []
+
+    def sleep(seconds):
+        clock[0] += seconds
+
+    def signal_group(pgid, sig):
+        sent.append((sig, clock[0]))
+        real_signal_group(pgid, sig)
+
+    real_signal_group = launcher_module._signal_group
+    monkeypatch.setattr(launcher_module, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+    monkeypatch.setattr(launcher_module, "_signal_group", signal_group)
+    assert server.stop(grace_s=1.0) == -9 and not running(server.proc.pid)
+    assert [sig for sig, _ in sent] == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    assert sent[0][1] == sent[1][1] == 0.0  # SIGTERM (and SIGCONT for a stopped server) at once
+    assert 1.0 <= sent[2][1] < 1.5  # SIGKILL once the grace is over: not before, and not at the default 10 s
 
 
 @pytest.mark.parametrize("code, kind, words", [
