@@ -398,27 +398,56 @@ def test_a_genuine_tie_on_real_servers_is_reported_and_the_default_closer_one_ex
 def test_configurations_that_differ_only_at_runtime_share_each_launch(tmp_path):
     """n-gram at draft length 2 and 4 is one server with two runtime settings: validation launches it once per
     round for both (alternating them), as the study's trials shared it, and each record keeps its own command
-    line and its own repeats; the baseline (another launch) keeps its own."""
+    line and its own repeats; the baseline (another launch) keeps its own. A confidence no measurement can meet
+    keeps every race open to the cap whatever the speeds, so the added round (one more launch) always happens."""
     sets = ["drafter=ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
             "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
     opts = planning.RunOptions(trials=2, study="shared", studies_root=str(tmp_path), workload="chat", concurrency=2,
                                quick_requests=1, live=False, sets=sets, **LOAD)
     loop.run_study(planning.build(opts))
     doc = validate.validate(tmp_path / "shared", top=2, repeats=2, max_repeats=3, quality_prompts=1,
-                            quality_tokens=8, load=LOAD, progress=False)
+                            quality_tokens=8, load=LOAD, progress=False, confidence=1 - 1e-12)
     by_length = {c["config"]["draft_length"]: c for c in doc["candidates"]}
     assert sorted(by_length) == [2, 4]
     short, long = by_length[2], by_length[4]
     assert short["log"] == long["log"] != doc["baseline"]["log"]  # one launch for both, another for the baseline
     logs = sorted(path.name for path in (tmp_path / "shared" / "validation" / "logs").iterdir())
     shared = [name for name in logs if not name.startswith("baseline")]
-    assert shared and all(set(name.split("-launch-")[0].removesuffix(".log").split("+")) == {short["label"], long["label"]}
-                          for name in shared)
+    assert len(shared) == 2  # the first round and the added one: each a launch of both variants
+    assert all(set(name.split("-launch-")[0].removesuffix(".log").split("+")) == {short["label"], long["label"]}
+               for name in shared)
     for k, c in by_length.items():
         argv = c["argv"]
         assert argv[argv.index("--draft-length") + 1] == str(k)  # its own settings, as flags
-        assert len(c["runs"]) == len(c["stats"]["output_tok_s"]["values"]) >= 2
+        assert len(c["runs"]) == len(c["stats"]["output_tok_s"]["values"]) == 3
         assert len(set(c["request_files"])) == len(c["runs"])  # its own per-request tables
+
+
+def test_an_added_round_relaunches_every_runtime_variant_of_a_launch():
+    """The race's inputs fixed: n-gram k = 4 clearly beats its launch partner k = 2 but not the defaults. Only the
+    defaults are still a close rival, yet k = 2 rides along on k = 4's next launch (the fresh-clone failure of
+    issue 37: a second launch that ran k = 4 alone); nothing goes past the cap or relaunches a failure."""
+    ctx = SimpleNamespace(adapter=get_adapter("embedded"), primary=lambda: ("output_tok_s", "maximize"))
+
+    def rec(label, config, runs, **extra):
+        return {"label": label, "trial": label, "config": config, "reasons": [], "runs": [{"output_tok_s": v} for v in runs],
+                "stats": {"output_tok_s": {"median": float(np.median(runs))}}, **extra}
+
+    ngram = {"drafter": "ngram", "ngram_min": 1, "ngram_max": 4}
+    k4 = rec("trial-2", {**ngram, "draft_length": 4}, [100.0, 101.0])
+    k2 = rec("trial-0", {**ngram, "draft_length": 2}, [50.0, 50.5])
+    defaults = rec("baseline", {"drafter": "none"}, [60.0, 140.0])
+    other = rec("trial-5", {"drafter": "none", "verify_slots": 4}, [40.0, 41.0])
+    kwargs = {"confidence": validate.CONFIDENCE, "looks": 1, "max_repeats": 3}
+    assert validate.beats(k4, k2, "output_tok_s", "maximize", validate.CONFIDENCE, 1)
+    assert not validate.beats(k4, defaults, "output_tok_s", "maximize", validate.CONFIDENCE, 1)
+    more = validate.next_round(ctx, [k4, k2, other], defaults, **kwargs)
+    assert [r["label"] for r in more] == ["trial-2", "baseline", "trial-0"]
+    k2["failure"] = "server exited during repeat 1"
+    assert [r["label"] for r in validate.next_round(ctx, [k4, k2, other], defaults, **kwargs)] == ["trial-2", "baseline"]
+    capped = rec("trial-2", k4["config"], [100.0, 101.0, 99.0])
+    assert validate.next_round(ctx, [capped, k2, other], rec("baseline", {"drafter": "none"}, [60, 140, 90]),
+                               **kwargs) == []
 
 
 def test_t_quantile_equals_scipys_and_validation_imports_without_scipy():
