@@ -1,16 +1,13 @@
 """The tuner facing an engine that hangs mid-benchmark (alive, answering nothing): a real `autotune serve`
-launched by the study is stopped with SIGSTOP while its full benchmark is in flight. The trial must end at
-its deadline with the reason recorded, the engine's process group must be gone (SIGKILL: a stopped process
-never acts on SIGTERM), and the next trial must launch on a free port and measure. And a stopped server that
+launched by the study is stopped with SIGSTOP while its full benchmark is in flight (as the client reads the
+benchmark's first chunk). The trial must end at its deadline with the reason recorded, the engine's process
+group must be gone (SIGKILL: a stopped process never acts on SIGTERM), and the next trial must launch on a free
+port and measure. And a stopped server that
 is stopped the polite way (Launcher.stop) is continued, so it acts on the SIGTERM at once."""
 import os
-import shlex
 import signal
-import threading
 import time
-from pathlib import Path
 
-import httpx
 import optuna
 import pytest
 from conftest import serve_argv
@@ -26,38 +23,28 @@ SETS = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "pr
         "quantization=none", "compile=none", "threads=1", "draft_length=3", "verify_slots=4,3"]
 
 
-def running_requests(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=5).text
-    return next(float(line.split()[1]) for line in metrics.splitlines()
-                if line.startswith("autotune_requests_running "))
+def stop_at_the_full_benchmarks_first_chunk(monkeypatch, stopped: dict):
+    """SIGSTOP trial 0's server as the client reads the first chunk of its full benchmark: requests of the
+    benchmark are in flight then by construction (that one mid-stream, the rest not yet answered), whatever
+    this machine's speed; no thread polls the study and the server, racing a benchmark a fast machine
+    finishes first."""
+    from autotune.bench import client
 
+    real_measure, real_read_chunk, armed = trial_life.measure, client.read_chunk, {}
 
-def stop_mid_benchmark(p: plan.Plan, stopped: dict, deadline_s: float = 600.0):
-    """Once trial 0 has reported its quick measurement (an intermediate value in the study's storage) and its
-    server has requests of the full benchmark in flight (/metrics), SIGSTOP the server's process group."""
-    log = p.directory / "logs" / "trial-0.log"
-    give_up = time.monotonic() + deadline_s
-    while time.monotonic() < give_up:
-        if not log.exists():  # not launched yet; before that the study may not exist (opening it would create it)
-            time.sleep(0.05)
-            continue
-        trial = optuna.load_study(study_name=p.name, storage=p.storage).get_trials()[0]
-        if trial.intermediate_values:
-            argv = shlex.split(log.read_text(errors="replace").splitlines()[0][2:])
-            url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-            if running_requests(url) >= 1:
-                pid = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid) == argv)
-                os.killpg(pid, signal.SIGSTOP)
-                stopped.update(pgid=pid, port=argv[argv.index("--port") + 1], at=time.time())
-                return
-        time.sleep(0.05)
+    def measure(p, servers, num_requests, request_timeout=None, deadline_s=None):
+        if deadline_s is not None and not armed:  # the first full benchmark: trial 0's, after its quick wave
+            armed["pgid"] = servers.server.proc.pid  # start_new_session: the group id is the leader's pid
+        return real_measure(p, servers, num_requests, request_timeout=request_timeout, deadline_s=deadline_s)
 
+    def read_chunk(rec, chunk, t):
+        real_read_chunk(rec, chunk, t)
+        if armed and not stopped:
+            os.killpg(armed["pgid"], signal.SIGSTOP)
+            stopped.update(pgid=armed["pgid"], at=time.time())
 
-def _cmdline(pid: str) -> list[str] | None:
-    try:
-        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
-    except OSError:
-        return None
+    monkeypatch.setattr(trial_life, "measure", measure)
+    monkeypatch.setattr(client, "read_chunk", read_chunk)
 
 
 def group_alive(pgid: int) -> bool:
@@ -69,17 +56,15 @@ def group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_engine_stopped_mid_benchmark_ends_the_trial_at_its_deadline_and_the_next_one_measures(tmp_path):
+def test_engine_stopped_mid_benchmark_ends_the_trial_at_its_deadline_and_the_next_one_measures(tmp_path, monkeypatch):
     p = plan.build(plan.RunOptions(trials=2, study="hang", studies_root=str(tmp_path), sets=SETS, **SMALL))
     stopped: dict = {}
-    stopper = threading.Thread(target=stop_mid_benchmark, args=(p, stopped), daemon=True)
-    stopper.start()
+    stop_at_the_full_benchmarks_first_chunk(monkeypatch, stopped)
     try:
         outcome = loop.run_study(p)
     finally:
         if stopped.get("pgid") and group_alive(stopped["pgid"]):  # the behaviour under test failed: clean up
             os.killpg(stopped["pgid"], signal.SIGKILL)
-    stopper.join(5)
     assert stopped, "trial 0's full benchmark was never seen in flight"
     hung, *rest = optuna.load_study(study_name=outcome.name, storage=outcome.storage).get_trials()
 
@@ -94,7 +79,11 @@ def test_engine_stopped_mid_benchmark_ends_the_trial_at_its_deadline_and_the_nex
                            trial_life.BENCH_DEADLINE_FACTOR * attrs["quick"]["duration_s"] * full_n / quick_n)
     timings = attrs["timings"]
     benchmarked = timings["total_s"] - sum(timings.get(k) or 0 for k in ("launch_s", "warmup_s", "quick_s"))
-    assert deadline - 1 <= benchmarked < deadline + 15  # not each request's 2-minute client timeout in turn
+    # At its deadline: not before it (a lower bound on the watchdog's wait, which a slower machine only
+    # exceeds), and not each request's 2-minute client timeout in turn. The 15 s over the deadline are a hang
+    # guard for what follows the kill (the client seeing the closed sockets, the trial's records: about a
+    # second on this loaded 2-core machine); the failure message above says the watchdog ended it.
+    assert deadline - 1 <= benchmarked < deadline + 15
     assert 0 < hung.datetime_complete.timestamp() - stopped["at"] < deadline + 15
 
     # The process group is gone: SIGKILL ended the stopped processes.
@@ -116,9 +105,8 @@ def test_stopping_a_stopped_server_continues_it_so_sigterm_ends_it_cleanly(tmp_p
     server.start(timeout=300)
     pgid = server.proc.pid
     os.killpg(pgid, signal.SIGSTOP)
-    started = time.monotonic()
     code = server.stop(grace_s=120)
-    # Exit 0 is autotune serve's own SIGTERM shutdown; without SIGCONT the SIGTERM would wait, pending, for the
-    # whole grace period and SIGKILL would end it (-9).
+    # Exit 0 is autotune serve's own SIGTERM shutdown, within the grace period (no wall clock needed to say so);
+    # without SIGCONT the SIGTERM would wait, pending, for the whole grace period and SIGKILL would end it (-9).
     assert code == 0, server.log_tail()
-    assert time.monotonic() - started < 60 and not group_alive(pgid)
+    assert not group_alive(pgid)
