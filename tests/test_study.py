@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import optuna
 import pandas as pd
@@ -42,6 +43,7 @@ class H(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         time.sleep(60)  # the behaviour under test: a completion that never comes within the quick timeout
+        # then the handler returns without answering: a client still waiting gets a broken stream, not a timeout
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
@@ -165,10 +167,15 @@ def test_hopelessly_slow_config_is_pruned_by_the_quick_timeout(studies, monkeypa
     trials = trials_of(loop.run_study(p))
     assert trials[0].user_attrs["config"]["verify_slots"] == 4 and trials[0].user_attrs["status"] == "ok"  # the defaults
     slow = next(t for t in trials if t.user_attrs.get("config", {}).get("verify_slots") == 3)
-    limit = trial_life.QUICK_TIMEOUT_FACTOR * trials[0].user_attrs["quick"]["duration_s"]
+    reference = trials[0].user_attrs["quick"]["duration_s"]
+    limit = max(trial_life.QUICK_TIMEOUT_FLOOR_S, trial_life.QUICK_TIMEOUT_FACTOR * reference)
     assert slow.state == TrialState.PRUNED and slow.user_attrs["failure_kind"] == "timeout"
-    assert "defaults trial 0" in slow.user_attrs["failure"] and slow.constraints["feasible"] > 0
-    assert slow.user_attrs["timings"]["quick_s"] < limit + 5  # not the client's 2 minutes
+    # The limit the requests were given is the defaults trial's quick wave times the factor (the numbers the
+    # trial recorded, not a reading of this machine's clock) ...
+    assert f"took over {limit:.0f} s ({trial_life.QUICK_TIMEOUT_FACTOR:g}x the defaults trial 0's {reference:.1f} s)" \
+        in slow.user_attrs["failure"] and slow.constraints["feasible"] > 0
+    # ... and every request ended at a timeout, before the stalling server gave up on it at 60 s (a broken
+    # stream): not the client's 2 minutes.
     assert (pd.read_parquet(studies / "slow" / "requests" / f"trial-{slow.number}.parquet")["error_kind"] == "timeout").all()
 
 
@@ -285,8 +292,6 @@ def test_plan_prints_the_space_and_seeds_fitted_to_an_h200_and_the_load(tmp_path
 def test_the_defaults_seed_is_marked_and_is_the_baseline_wherever_it_is_queued(studies):
     """On a GPU the fitted seeds are queued before the defaults; validation's baseline is still the defaults
     (with speculation off), found by the seed's mark rather than its place; on a CPU the defaults stay first."""
-    from types import SimpleNamespace
-
     from autotune import validate
 
     p = plan.build(plan.RunOptions(gpu="h200-sxm", study="order", **{**SMALL, "concurrency": 4}))
@@ -317,33 +322,69 @@ def test_plan_for_a_cpu_keeps_threads_and_gguf(tmp_path):
 
 
 # -- compile is launch cost (issue 16 point 2) -----------------------------------------------------------
+# The embedded engine compiles at start-up, so what a compile costs at the first requests (where an engine
+# compiles lazily, or captures its graphs) is made the input here: the compiled server's first request is held
+# for a fixed time, longer than the quick limit. Whether the warm-up absorbs it is then the pipeline's doing,
+# whatever this machine's speed; a real compile's cost against a measured wave is not a comparison that holds
+# on every machine.
+FIRST_REQUEST_HOLD = """
+import sys, time
+from autotune.embedded import scheduler
+hold, submit = [float(sys.argv.pop(1))], scheduler.Engine.submit
+def held_submit(self, *args, **kwargs):
+    if hold[0]:  # the one-time cost, at the first request as a lazy compile pays it
+        time.sleep(hold[0])
+        hold[0] = 0.0
+    return submit(self, *args, **kwargs)
+scheduler.Engine.submit = held_submit
+from autotune.cli import app
+app()
+"""
+
+
+class FirstRequestHeld(EmbeddedAdapter):
+    """The real engine; a compiled one (`compile` set) also holds its first request for `hold_s`."""
+
+    def __init__(self, hold_s: float):
+        super().__init__()
+        self.hold_s = hold_s
+
+    def command(self, config, **kw):
+        argv, env = super().command(config, **kw)
+        if config.get("compile", "none") != "none":
+            assert argv[1:3] == ["-m", "autotune.cli"], argv
+            argv = [argv[0], "-c", FIRST_REQUEST_HOLD, str(self.hold_s), *argv[3:]]
+        return argv, env
+
+
 @pytest.mark.slow
-def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, monkeypatch):
-    """A plain trial sets the quick timeout (3x its tiny quick wave, no floor); a torch.compile trial after
-    it compiles at startup or at its first requests, which takes far longer than that. That is launch
-    cost: the trial is measured, its warm-up seconds recorded and counted in its time, and not pruned."""
-    monkeypatch.setattr(trial_life, "QUICK_TIMEOUT_FLOOR_S", 0.1)
+def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies):
+    """A plain trial sets the quick timeout (3x its quick wave, at least the 10 s floor); a torch.compile trial
+    after it pays a one-time cost at its first request longer than that. That is launch cost: the trial is
+    measured, its warm-up seconds recorded and counted in its time, and not pruned."""
     # One stream, no drafter: the fewest shapes to compile on a CPU (torch.compile is slow there).
     pins = ["drafter=none", "verify_slots=1", "prefill_ubatch=256", "dtype=float32", "quantization=none", "threads=1"]
     load = {**SMALL, "concurrency": 1, "launch_timeout_s": 900.0}
     plain = plan.RunOptions(trials=1, study="compiled", sets=[*pins, "compile=none"], **load)
     first = trials_of(loop.run_study(plan.build(plain)))[0]
     assert first.user_attrs["status"] == "ok" and first.user_attrs["warmup_s"] > 0
-    limit = trial_life.QUICK_TIMEOUT_FACTOR * first.user_attrs["quick"]["duration_s"]
-    compiled = plan.RunOptions(**{**plain.__dict__, "sets": [*pins, "compile=aot_eager"], "resume": True, "trials": 2})
-    trial = trials_of(loop.run_study(plan.build(compiled)))[1]
+    limit = max(trial_life.QUICK_TIMEOUT_FLOOR_S, trial_life.QUICK_TIMEOUT_FACTOR * first.user_attrs["quick"]["duration_s"])
+    hold = limit + 1.0  # longer than the limit by construction: a quick wave that paid it would time out
+    compiled = plan.build(plan.RunOptions(**{**plain.__dict__, "sets": [*pins, "compile=aot_eager"], "resume": True,
+                                             "trials": 2}))
+    compiled.adapter = FirstRequestHeld(hold)
+    trial = trials_of(loop.run_study(compiled))[1]
     a = trial.user_attrs
     assert a["config"]["compile"] == "aot_eager" and "--compile" in a["argv"]
     assert trial.state == TrialState.COMPLETE and a["status"] == "ok", a.get("failure")
-    assert a["warmup_s"] > 0 and a["timings"]["warmup_s"] == a["warmup_s"]
-    launch_cost = a["timings"]["launch_s"] + a["warmup_s"]
-    assert launch_cost - (first.user_attrs["timings"]["launch_s"] + first.user_attrs["warmup_s"]) > limit
-    assert a["timings"]["total_s"] > launch_cost  # in the trial's time: what the budget counts
+    # The hold was paid in the warm-up's first wave (a wait: at least `hold` on any machine), not in the quick wave.
+    assert a["warmup_waves_s"][0] >= hold - 1e-3 and a["timings"]["warmup_s"] == a["warmup_s"] >= hold - 1e-3
+    assert a["timings"]["total_s"] > a["timings"]["launch_s"] + a["warmup_s"]  # in the trial's time: what the budget counts
 
 
 # -- the budget and launch sharing (issue 16 point 6) -----------------------------------------------------
 @pytest.mark.slow
-def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_server(studies):
+def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_server(studies, monkeypatch):
     """With less time left than a trial with its launch but more than one without, the next queued trial runs
     when it changes only runtime knobs of the live server (draft_length), and none runs when it needs a
     launch (verify_slots). On the H200 a compiled launch was 45-58 s of a 60 s trial: charging every trial a
@@ -360,7 +401,10 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
     try:
         loop.enqueue(p, study, [{**first, "draft_length": 5}, {**first, "verify_slots": 2}])
         fleet.finished = [(60.0, 50.0)]  # one trial so far: 60 s, 50 of them launching its server
-        fleet.deadline = time.time() + 30.0
+        # 30 s left on a clock that stands still: the budget's arithmetic, not how long this machine takes to
+        # get from here to the check.
+        monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: 1e9, monotonic=time.monotonic, sleep=time.sleep))
+        fleet.deadline = 1e9 + 30.0
         reusing = fleet._next_trial(servers)
         assert reusing is not None and p.space.suggest(reusing)["draft_length"] == 5 and not notes
         study.tell(reusing, 1.0)
