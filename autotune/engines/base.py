@@ -109,17 +109,24 @@ def schema_errors(args: list[str], schema: dict) -> list[str]:
     return errors
 
 
-def engine_parser_errors(engine: str, args: list[str], timeout_s: float = 180.0) -> list[str] | None:
-    """The installed engine's own verdict on args (None when the engine is not installed here)."""
-    if importlib.util.find_spec(engine) is None:
-        return None
-    proc = subprocess.run([sys.executable, "-m", "autotune.engines.real_parser", engine, *args],
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+def engine_parser_verdicts(engine: str, arg_lists: list[list[str]], timeout_s: float = 600.0,
+                           python: str | None = None) -> list[list[str]] | None:
+    """The installed engine's own errors for each argument list, asked of `python` in one child process (importing
+    an engine takes seconds); `python` defaults to autotune's own where the engine is importable (None: it is not).
+    real_parser.py imports nothing of autotune, so it runs as the source of `python -c` in an engine's own
+    environment (as a script by path, its folder would shadow the engines)."""
+    if python is None:
+        if importlib.util.find_spec(engine) is None:
+            return None
+        python = sys.executable
+    source = (Path(__file__).parent / "real_parser.py").read_text()
+    proc = subprocess.run([python, "-c", source, engine, "--batch"], input=json.dumps(arg_lists), capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return [f"{engine}'s parser could not be run: {last}"]
+        return [[f"{engine}'s parser could not be run: {last}"] for _ in arg_lists]
 
 
 def translate_renamed(args: list[str], schema: dict) -> tuple[list[str], list[str]]:
@@ -284,11 +291,22 @@ class EngineAdapter:
         return list(argv[len(self.entry):]) if tuple(argv[:len(self.entry)]) == self.entry else list(argv)
 
     def validate_flags(self, argv: list[str]) -> list[str]:
-        args = self.engine_args(argv)
-        errors = schema_errors(args, load_schema(self.name, self.version))
-        if not errors:
-            errors = engine_parser_errors(self.name, args) or []
+        return self.validate_many([argv])[0]
+
+    def validate_many(self, argvs: list[list[str]]) -> list[list[str]]:
+        """Each command's errors: the captured schema's, then (for those it passes) the installed engine's own
+        parser's, asked once for all of them."""
+        arg_lists = [self.engine_args(argv) for argv in argvs]
+        errors = [schema_errors(args, load_schema(self.name, self.version)) for args in arg_lists]
+        unchecked = [i for i, e in enumerate(errors) if not e]
+        verdicts = self.parser_verdicts([arg_lists[i] for i in unchecked]) if unchecked else []
+        for i, verdict in zip(unchecked, verdicts or []):
+            errors[i] = verdict
         return errors
+
+    def parser_verdicts(self, arg_lists: list[list[str]]) -> list[list[str]] | None:
+        """The installed engine's own parser on each argument list (None: not installed where it can be asked)."""
+        return engine_parser_verdicts(self.name, arg_lists)
 
     def apply_runtime(self, base_url: str, runtime: dict) -> None:
         raise NotImplementedError(f"{self.name} cannot change settings on a running server; relaunch it")

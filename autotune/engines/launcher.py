@@ -37,7 +37,36 @@ KILLED_EXIT_CODES = (-signal.SIGKILL, 128 + signal.SIGKILL)  # the kernel OOM ki
 ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|\[Errno 98\]|couldn't bind|could not bind|"
                             r"os error 98", re.IGNORECASE)
 PORT_RETRIES = 2  # launches again after "address already in use", with the port given up by this process
+REASON_BYTES = 256 * 1024  # of a launch's output, searched for why it exited (a root cause precedes its tracebacks)
 HOLD_MAX_S = 3600.0  # a held port nobody launched on is given up after this long (no descriptor leak)
+
+
+# Why a server refused to start, as engines say it: a Python exception line ("ValueError: ...", perhaps behind a log
+# prefix such as vLLM's "(VllmWorker-0 pid=7) ERROR 12-03 09:26:55 [file.py:953] "), or argparse's "prog: error: ...".
+EXCEPTION_LINE = re.compile(r"^(?:.*?\] |\([\w-]+ pid=\d+\) )?(?:[A-Za-z_]\w*\.)*((\w*(?:Error|Exception)): .+)$")
+ARGPARSE_LINE = re.compile(r"^\S+: error: .+$")
+# An exception that only points at another (vLLM: "Engine core initialization failed. See root cause above.")
+WRAPPER = re.compile(r"root cause|see (the )?(stack trace|above)", re.IGNORECASE)
+
+
+def reason(output: str) -> str:
+    """One line: why the process whose output this is exited. Its last exception or argparse error that is not a
+    wrapper pointing at another (vLLM's start-up wraps its root cause twice), with the first field and message of a
+    pydantic ValidationError (what vLLM raises for a bad setting); else the last line."""
+    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()]
+    found = []  # (line index, text, exception name) of every exception or argparse line
+    for i, line in enumerate(lines):
+        if ARGPARSE_LINE.match(line):
+            found.append((i, line, None))
+        elif match := EXCEPTION_LINE.match(line):
+            found.append((i, match.group(1), match.group(2)))
+    if not found:
+        return lines[-1].strip() if lines else "no output"
+    i, text, name = next((f for f in reversed(found) if not WRAPPER.search(f[1])), found[-1])
+    detail = lines[i + 1:i + 3]
+    if name == "ValidationError" and len(detail) == 2 and detail[1].startswith(" "):
+        text += f" {detail[0].strip()}: {detail[1].strip().split(' [type=')[0]}"
+    return text
 
 
 class LaunchError(Exception):
@@ -92,6 +121,7 @@ class Launcher:
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self._stopping = False
+        self._log_start = 0  # where the current launch's output starts in the log
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
@@ -129,7 +159,7 @@ class Launcher:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._stopping = False
         with open(self.log_path, "ab") as log:
-            start = log.tell()
+            start = self._log_start = log.tell()
             log.write(f"$ {shlex.join(self.argv)}\n".encode())
             log.flush()
             try:
@@ -175,8 +205,8 @@ class Launcher:
         code, tail = self.proc.returncode, self.log_tail()
         if code in KILLED_EXIT_CODES or OOM_PATTERNS.search(tail):
             return LaunchError("oom", f"out of memory (exit {code})", tail, self.argv)
-        last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "no output")
-        return LaunchError("crash", f"exited with code {code}: {last.strip()[:300]}", tail, self.argv)
+        said = reason(self._log_since(self._log_start)[-REASON_BYTES:])
+        return LaunchError("crash", f"exited with code {code}: {said[:300]}", tail, self.argv)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to grace_s, then SIGKILL whatever is left; the exit code."""

@@ -1,7 +1,7 @@
 """The engines' own argument parsers, loaded from an installed sglang or vllm.
 
-Run as a child process (`python -m autotune.engines.real_parser sglang ARGS...`, prints a JSON list of
-errors): importing an engine takes seconds and patches global state (logging, torch, import hooks),
+Run as a child process (`python -c "$(cat real_parser.py)" vllm ARGS...`, prints a JSON list of
+errors; `vllm --batch` reads a JSON list of argument lists on stdin and prints one list of errors each): importing an engine takes seconds and patches global state (logging, torch, import hooks),
 none of which the tuner's own process should inherit.
 
 On a machine without a GPU both engines install with `--no-deps` (see
@@ -69,7 +69,10 @@ def sglang_parser() -> argparse.ArgumentParser:
 
 def vllm_parser() -> argparse.ArgumentParser:
     _vllm_device_env()
-    from vllm.entrypoints.common.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ModuleNotFoundError:  # 0.32 kept it under launchers/
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
@@ -137,7 +140,11 @@ def vllm_errors(args: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    # `ENGINE ARGS...` -> a JSON list of errors; `ENGINE --batch` with a JSON list of argument lists on stdin -> a
+    # JSON list of those lists (one import of the engine for many commands)
     engine, engine_args = sys.argv[1], sys.argv[2:]
+    errors_of = {"sglang": sglang_errors, "vllm": vllm_errors}[engine]
+    batch = json.loads(sys.stdin.read()) if engine_args == ["--batch"] else None
     with contextlib.redirect_stdout(sys.stderr):  # engines log to stdout; only the verdict goes there
-        found = {"sglang": sglang_errors, "vllm": vllm_errors}[engine](engine_args)
+        found = [errors_of(args) for args in batch] if batch is not None else errors_of(engine_args)
     print(json.dumps(found))

