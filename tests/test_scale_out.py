@@ -221,7 +221,10 @@ def create_study(name: str, url: str, trials: int = 1, **options) -> optuna.Stud
 
 
 def start_worker(name: str, url: str, trials: int, studies_dir) -> subprocess.Popen:
-    env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(studies_dir), "AUTOTUNE_HEARTBEAT_S": "1"}
+    # Heartbeats every 10 s, a grace of a minute (parallel.GRACE_S): a live worker that a busy machine delays by
+    # seconds is never taken for dead. A killed worker on this host needs no grace: its pid is gone
+    # (parallel._gone), which the next sweep (every heartbeat interval) sees.
+    env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(studies_dir), "AUTOTUNE_HEARTBEAT_S": "10"}
     return subprocess.Popen([sys.executable, "-m", "autotune.cli", "worker", "--study", name, "--storage", url,
                              "--trials", str(trials)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -268,17 +271,30 @@ def children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(postgres, studies):
     study = create_study("shared", postgres)
-    # 8 trials: room for the victim to measure one and be killed in the next, whatever the survivor takes
-    victim, survivor = (start_worker("shared", postgres, 8, studies) for _ in range(2))
+
+    def victims():
+        return [t for t in study.get_trials() if t.system_attrs.get(parallel.RUNNER, "").endswith(f" {victim.pid}")]
+
+    # 8 trials: room for the victim to measure one and be killed in the next. The survivor starts once the
+    # victim has claimed its first trial: it would have to launch and measure the other six before the victim,
+    # ahead of it, asks for its second, which no scheduling of the two makes happen (started together, a
+    # victim slowed by the freezes below could lose that race on a loaded machine).
+    victim = start_worker("shared", postgres, 8, studies)
+    deadline = time.monotonic() + 300  # a hang guard: launching an engine takes seconds
+    while not victims():
+        assert victim.poll() is None and time.monotonic() < deadline, "the victim never claimed a trial"
+        time.sleep(0.2)  # between looks at the study
+    survivor = start_worker("shared", postgres, 8, studies)
     # Kill the victim (SIGKILL: no chance to clean up) in a later trial, once it has measured one (a
-    # duplicate or a rejected trial finishes without a measurement).
-    # It is frozen (SIGSTOP) while its trials are read, so a trial seen running cannot finish before the kill.
-    deadline, running = time.monotonic() + 180, []
+    # duplicate or a rejected trial finishes without a measurement). Once it has, it is frozen (SIGSTOP)
+    # while its trials are read, so a trial seen running cannot finish before the kill.
+    running = []
     while not running and time.monotonic() < deadline and victim.poll() is None:
+        if not any(t.state.is_finished() and t.user_attrs.get("measured") for t in victims()):
+            time.sleep(0.2)
+            continue
         victim.send_signal(signal.SIGSTOP)
-        mine = [t for t in study.get_trials() if t.system_attrs.get(parallel.RUNNER, "").endswith(f" {victim.pid}")]
-        if any(t.state.is_finished() and t.user_attrs.get("measured") for t in mine):
-            running = [t for t in mine if t.state == TrialState.RUNNING]
+        running = [t for t in victims() if t.state == TrialState.RUNNING]
         if not running:
             victim.send_signal(signal.SIGCONT)
             time.sleep(0.2)
@@ -288,7 +304,7 @@ def test_two_workers_share_a_postgres_study_one_is_killed_the_other_finishes(pos
     victim.wait()
     for pid in engines:  # its engine server outlives it in its own process group
         os.killpg(pid, signal.SIGKILL)
-    out = wait(survivor, 240)
+    out = wait(survivor, 600)  # a hang guard: a launch, six small trials and a sweep
     assert "worker joined study shared" in out
 
     trials = check_accounted(study, 8)
