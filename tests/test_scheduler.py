@@ -87,10 +87,14 @@ def test_counters_add_up(engine):
 @pytest.mark.slow
 def test_cancel_frees_the_slot_and_queue_is_fifo(engine):
     log = queue.Queue()
-    long_a, a = submit(engine, collector=Collector(log, "a"), max_tokens=150, ignore_eos=True)
-    long_b, b = submit(engine, collector=Collector(log, "b"), max_tokens=150, ignore_eos=True)
-    waiting = [submit(engine, f"Question {i}: what is {i} + {i}?", Collector(log, f"w{i}"), max_tokens=3)[1]
-               for i in range(3)]
+    # All five are queued before the engine thread can admit any (it admits under this lock, which submit
+    # re-enters): a and b take the two slots together. Submitted one by one, a busy machine could let the engine
+    # admit a alone and emit its first token while b still waits with the others.
+    with engine._lock:
+        long_a, a = submit(engine, collector=Collector(log, "a"), max_tokens=150, ignore_eos=True)
+        long_b, b = submit(engine, collector=Collector(log, "b"), max_tokens=150, ignore_eos=True)
+        waiting = [submit(engine, f"Question {i}: what is {i} + {i}?", Collector(log, f"w{i}"), max_tokens=3)[1]
+                   for i in range(3)]
     assert log.get(timeout=120) == ("first", "a")  # both slots busy, three requests queued
     assert engine.stats()["requests_waiting"] == 3
     engine.cancel(long_a)
