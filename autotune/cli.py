@@ -193,6 +193,8 @@ def run(
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
             parallel=parallel, engine_binary=engine_binary)
+        if not plan_only:
+            typer.echo(f"autotune: probing this machine and planning a {engine} study", err=True)
         the_plan = plan.build(opts)
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))
@@ -214,6 +216,8 @@ def run(
             raise typer.Exit(130)
         if done["estimator"]:
             typer.echo(f"draft-length estimator: {done['estimator']}")
+        for line in pipeline.closing_lines(done, outcome.directory, outcome.storage):  # what was exported, last
+            typer.echo(line)
 
 
 # -- autotune worker: more hands for a study in a shared storage -----------------------------------------

@@ -48,3 +48,45 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
             out["problems"].append(f"{name}: {problem}")
             console.print(f"[yellow]{name}:[/] {problem}")
     return out
+
+
+def closing_lines(done: dict, directory: Path, storage: str) -> list[str]:
+    """What `autotune run` ends on: what was exported (not the search's best), its validated numbers, whether it
+    beat its rivals beyond the noise or tied, its greedy output against plain decoding, and where it all is."""
+    doc, lines = done.get("validation"), []
+    winner = (doc or {}).get("winner")
+    if winner is None:
+        lines.append("exported: nothing validated" + (f" ({done['problems'][0]})" if done["problems"] else ""))
+    else:
+        metric, stats = doc["metric"], winner["stats"][doc["metric"]]
+        ci = stats.get("ci95")
+        lines.append(f"exported: trial {winner['trial']} ({_changed(doc, winner)})")
+        gain = winner.get("gain_over_baseline")
+        lines.append(f"validated: {metric} {stats['median']:.4g}" + (f" (95% CI {ci[0]:.4g}..{ci[1]:.4g})" if ci else "")
+                     + f", median of {winner['repeats']} benchmarks on fresh launches"
+                     + (f"; {gain:.2f}x the engine defaults ({doc['baseline']['label']})" if gain else ""))
+        if doc.get("tie"):
+            lines.append(f"tie: {doc['tie']['why']}")
+        for c in doc.get("comparisons", []):
+            if c.get("beyond_noise"):
+                low, high = c["interval"]
+                lines.append(f"beats {c['rival']} beyond the noise: {c['gain']:.2f}x "
+                             f"({c['confidence']:.0%} interval {low:.2f}..{high:.2f})")
+        quality = next((c.get("quality") for c in doc["candidates"] if c["label"] == winner["label"]), None) or {}
+        if quality.get("checked"):
+            lines.append(f"greedy output vs plain decoding: {quality['identical']}/{quality['prompts']} prompts identical,"
+                         f" {quality['identical_share']:.0%} of {quality['unit']}s agree ({quality['mode']})")
+    best = directory / "best"
+    if (best / "launch.sh").is_file():
+        lines.append(f"launch: {best / 'launch.sh'}")
+    if done.get("report"):
+        lines.append(f"report: {done['report']}")
+    lines.append(f"study: {storage} (optuna-dashboard {storage})")
+    return lines + [f"note: {problem}" for problem in done["problems"]]
+
+
+def _changed(doc: dict, winner: dict) -> str:
+    """The winner's settings that differ from the baseline's (the engine defaults with the user's pins)."""
+    base = doc["baseline"]["config"]
+    diff = [f"{k}={v}" for k, v in winner["config"].items() if base.get(k) != v]
+    return " ".join(diff) or "the engine defaults"

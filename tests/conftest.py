@@ -4,7 +4,10 @@
 `start_embedded_server`  factory for tests that need other flags: start_embedded_server(drafter="none",
                          verify_slots=1) -> EmbeddedServer (.url, .proc, .stop() -> exit code, .log());
                          stopped at the end of the test
+`exported_server(script, log, startup_s)`  an exported best/launch.sh run as a user runs it, on a free port, until
+                         it answers /health: (process, base URL); its process group is stopped on exit
 """
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,6 +91,34 @@ class EmbeddedServer:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+
+@contextlib.contextmanager
+def exported_server(script, log, startup_s: float = STARTUP_TIMEOUT_S):
+    """`bash launch.sh` with HOST and PORT set, as a user runs it; yields (process, base URL) once it is healthy."""
+    port = free_port()  # held (not listening) until the script's server is up
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            deadline = time.monotonic() + startup_s
+            while True:
+                assert proc.poll() is None, Path(log).read_text(errors="replace")[-3000:]
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"not healthy within {startup_s} s"
+                time.sleep(0.25)  # a poll interval: the loop waits on /health answering
+        finally:
+            release_port(port)
+        yield proc, url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
 
 
 @pytest.fixture(scope="session")

@@ -55,10 +55,17 @@ class LiveView:
     def started(self, number: int, config: dict):
         self.current = f"trial {number}: {config_text(config, self.defaults)}"
         self._refresh()
+        self._plain(self.current)
 
     def phase(self, number: int, what: str):
         self.current = f"trial {number}: {what}"
         self._refresh()
+        self._plain(self.current)
+
+    def _plain(self, line: str):
+        """Not on a terminal (piped, CI): progress as plain lines, never wrapped, instead of a redrawn table."""
+        if self.enabled and not self.live:
+            self.console.print(line, soft_wrap=True, highlight=False, markup=False)
 
     def show_history(self, study):
         for trial in study.get_trials(deepcopy=False):
@@ -69,8 +76,7 @@ class LiveView:
     def finished(self, trial, study):
         self._add(trial)
         self.current = ""
-        if self.enabled and not self.live:  # not a terminal: one line per trial instead of a redrawn table
-            self.console.print(" | ".join(str(c) for c in self.rows[-1]))
+        self._plain(" | ".join(str(c) for c in self.rows[-1]))
         self._refresh()
 
     # -- rendering --------------------------------------------------------------------------------
@@ -117,18 +123,18 @@ class LiveView:
         return ", ".join(f"{name} {v:.4g}" for (name, _), v in zip(objectives.metrics(self.objective), values))
 
     def summary(self, best, default, gain, *, launches: int, saved: int, directory, interrupted: bool):
+        """The search's end (validation, which may export another configuration, comes after). Not on a terminal
+        the rows were printed one a line as trials finished: they are not printed again as a wrapped table."""
         if not self.enabled:
             return
         c = self.console
-        if not self.live:
-            c.print(self.table())
         if interrupted:
             c.print("[yellow]stopped early (Ctrl-C); every finished trial is kept[/]")
         if best is None:
             c.print("[red]no trial met the requirements[/]; see the failure column and the logs in "
                     f"{directory / 'logs'}")
         else:
-            c.print(f"[bold green]winner: trial {best.number}[/] "
+            c.print(f"[bold green]search best: trial {best.number}[/] "
                     f"{config_text(best.user_attrs.get('config', {}), self.defaults)} "
                     f"({self._metric_text(best.values)})")
             if gain is not None and default is not None:

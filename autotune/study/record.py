@@ -23,6 +23,12 @@ INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM while it ran
 NOT_RUN = "not_run"  # queued (a seed), but the run ended before reaching it; `--resume` queues it again
 
 
+# The benchmark's headline metrics, also stored flat (a user attr each, next to `metrics`): Optuna's own tools
+# (optuna-dashboard, `optuna trials`) sort and plot scalar attributes, not keys inside a JSON one.
+FLAT_METRICS = ("output_tok_s", "decode_tok_s_p50", "ttft_ms_p95", "itl_ms_p95", "tpot_ms_p50", "e2e_ms_p95",
+                "accept_length", "error_rate")
+
+
 class TrialRecord(TypedDict, total=False):
     status: str  # one of the constants above
     original_status: str  # a duplicate: the status of the trial it copies

@@ -103,7 +103,8 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     def finish(state, values=None, constraint: str | None = None, amount: float = 1.0, **more):
         attrs.update(more)
         attrs["timings"] = {**attrs.get("timings", {}), "total_s": round(time.monotonic() - t_start, 3)}
-        for k, v in record.json_ready(attrs).items():
+        flat = {k: v for k, v in (attrs.get("metrics") or {}).items() if k in record.FLAT_METRICS and v is not None}
+        for k, v in record.json_ready({**attrs, **flat}).items():
             trial.set_user_attr(k, v)
         if constraint:
             trial.set_constraint(constraint, amount)
