@@ -25,6 +25,7 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
+from conftest import exported_server
 from optuna.trial import TrialState
 
 from autotune import ci, pipeline
@@ -32,7 +33,7 @@ from autotune.bench import server_metrics
 from autotune.bench.client import timings_usage
 from autotune.engines import get_adapter
 from autotune.engines.base import load_schema
-from autotune.engines.launcher import free_port, launch, release_port
+from autotune.engines.launcher import launch
 from autotune.engines.llamacpp import LlamaCppAdapter, binary_version, find_binary
 from autotune.hardware import gather
 from autotune.hardware.probe import llama_server_facts
@@ -62,19 +63,6 @@ def trials_of(outcome):
 def autotune(*args, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "autotune.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, check=False, env={**os.environ, **(env or {})})
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path):
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy within {STARTUP_S} s: {log.read_text()[-2000:]}")
 
 
 # -- one small live study, validated, exported and reported (shared by the module) ---------------------
@@ -113,27 +101,13 @@ def test_live_study_finishes_with_validation_export_and_report(study):
 def test_exported_launch_script_starts_llama_server_and_answers(study, tmp_path):
     outcome, done = study
     config = done["validation"]["winner"]["config"]
-    port = free_port()  # held (not listening) until the script's server is up: its SO_REUSEPORT bind shares it
-    log = tmp_path / "launch-sh.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(outcome.directory / "best" / "launch.sh")], stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"},
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            wait_healthy(url, proc, log)
-        finally:
-            release_port(port)
+    with exported_server(outcome.directory / "best" / "launch.sh", tmp_path / "launch-sh.log", STARTUP_S) as (proc, url):
         assert os.path.realpath(f"/proc/{proc.pid}/exe") == os.path.realpath(BINARY)  # exec'd: the real server
         r = httpx.post(url + "/v1/completions", timeout=120,
                        json={"prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1 and r.json()["choices"][0]["text"]
         assert httpx.get(url + "/props", timeout=10).json()["total_slots"] == config["parallel"] == 2
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
 
 
 @pytest.mark.slow

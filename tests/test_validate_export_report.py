@@ -4,12 +4,9 @@ One small real study (embedded engine, SQLite) is shared by the module: the engi
 prompt-lookup configuration, and one launch that crashes (the only fake: a crash on demand).
 """
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 import types
 
@@ -19,11 +16,11 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
+from conftest import exported_server
 
 from autotune import export, report, validate
 from autotune.engines import get_adapter
 from autotune.engines.embedded import EmbeddedAdapter
-from autotune.engines.launcher import free_port
 from autotune.study import loop
 from autotune.study import plan as planning
 from autotune.study.record import is_ok
@@ -224,21 +221,7 @@ def test_export_files_parse_and_round_trip(study_dir, validated, exported):
 
 @pytest.mark.slow
 def test_exported_launch_script_serves_a_request(study_dir, validated, exported):
-    port = free_port()
-    log = study_dir / "launch-sh.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(study_dir / "best" / "launch.sh")], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+    with exported_server(study_dir / "best" / "launch.sh", study_dir / "launch-sh.log") as (_, url):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
@@ -247,9 +230,6 @@ def test_exported_launch_script_serves_a_request(study_dir, validated, exported)
         config = validated["winner"]["config"]
         if config["drafter"] != "none":  # the script launched the winner's settings, not the defaults
             assert httpx.get(url + "/admin/runtime").json()["draft_length"] == config["draft_length"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
 
 
 @pytest.mark.slow
