@@ -241,9 +241,6 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
         if (ctx.best_dir / "launch.json").exists() else None
     configs = [exported] if exported else []  # first: what is deployed, measured afresh
     configs += [c for c in (t.user_attrs.get("config") or {} for t in source.ranked()[:top]) if c not in configs]
-    for config in configs:
-        known = {k: v for k, v in config.items() if k in the_plan.space.params}
-        study.enqueue_trial(the_plan.space.trial_params(known), user_attrs={"seed_config": config, "warm_start": source.name})
     remembered = 0
     for t in source.study.get_trials(deepcopy=False):
         if t.user_attrs.get("status") in FAILED and t.user_attrs.get("effective_key"):
@@ -252,7 +249,8 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                 state=optuna.trial.TrialState.PRUNED, params=t.params, distributions=t.distributions,
                 user_attrs=attrs, constraints=t.constraints or {"feasible": 1.0}))
             remembered += 1
-    outcome = loop.run_study(the_plan, console=console)
+    outcome = loop.run_study(the_plan, console=console,
+                             first=[(config, {"seed_config": config, "warm_start": source.name}) for config in configs])
     if outcome.interrupted:  # Ctrl-C: the re-tune's trials are kept; nothing is validated or exported
         raise KeyboardInterrupt
     out = {"study": name, "directory": str(the_plan.directory), "from": source.name, "enqueued": len(configs),

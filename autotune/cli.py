@@ -193,8 +193,6 @@ def run(
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
             parallel=parallel, engine_binary=engine_binary)
-        if not plan_only:
-            typer.echo(f"autotune: probing this machine and planning a {engine} study", err=True)
         the_plan = plan.build(opts)
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))

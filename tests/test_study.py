@@ -213,7 +213,7 @@ def test_bad_input_is_one_line_exit_2_and_study_intact(tmp_path):
     bad_space = tmp_path / "bad.yaml"
     bad_space.write_text("parameters: {k: {type: int, low: 1}}\n")
     for args in (["--set", "nope=1"], ["--space", str(bad_space)], ["--slo", "p95_ttft_ms<<5"],
-                 ["--engine", "vllm"], ["--budget", "soon"]):
+                 ["--engine", "vllm", "--engine-binary", "/nonexistent"], ["--budget", "soon"]):
         proc = cli("--study", "keep", "--storage", storage, "--resume", *args, env_dir=tmp_path)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (args, err)
@@ -236,15 +236,14 @@ def test_sigint_stops_after_current_trial(tmp_path):
     out, err = proc.communicate(timeout=240)
     assert "stopping after the current trial" in out
     trials = optuna.load_study(study_name="interrupted", storage=f"sqlite:///{tmp_path / 'interrupted' / 'study.db'}").trials
-    finished = [t for t in trials if t.state.is_finished() and t.user_attrs.get("status") != "not_run"]
-    assert len(finished) == 1 and finished[0].user_attrs["status"] == "ok"  # that trial ran to the end
-    assert all(t.user_attrs.get("status") == "not_run" for t in trials if t not in finished)  # the queue is closed
+    assert len(trials) == 1 and trials[0].user_attrs["status"] == "ok"  # that trial ran to the end; the seeds it
+    # never reached left no placeholder trial behind
     assert not any(t.state == TrialState.RUNNING for t in trials)
     assert proc.returncode == 0 and (tmp_path / "interrupted" / "trials.parquet").exists()
 
 
 @pytest.mark.slow
-def test_queued_seeds_the_run_never_reached_are_closed_then_requeued_on_resume(studies, tmp_path):
+def test_seeds_the_run_never_reached_leave_no_trial_and_run_on_resume(studies, tmp_path):
     space = yaml.safe_load(open(plan.load_space("embedded").source))
     space["seeds"] = [{"drafter": "ngram", "draft_length": k} for k in (3, 5, 7)]
     path = tmp_path / "space.yaml"
@@ -253,13 +252,13 @@ def test_queued_seeds_the_run_never_reached_are_closed_then_requeued_on_resume(s
     outcome = loop.run_study(plan.build(opts))
     study = optuna.load_study(study_name="queued", storage=outcome.storage)
     assert study.metric_names == ["output_tok_s"]  # named in the storage, for the optuna CLI and dashboards
-    assert not [t for t in study.trials if t.state == TrialState.WAITING]
-    not_run = [t.user_attrs["seed_config"]["draft_length"] for t in study.trials if t.user_attrs.get("status") == "not_run"]
-    assert not_run == [5, 7]
+    # Only what ran is a trial: no WAITING or FAIL placeholders for the seeds the trial count left out.
+    assert [(t.state, t.user_attrs["seed_config"]["draft_length"]) for t in study.trials] == [(TrialState.COMPLETE, 3)]
     resumed = loop.run_study(plan.build(plan.RunOptions(**{**opts.__dict__, "resume": True, "trials": 2})))
     after = trials_of(resumed)
     measured = [t.user_attrs["config"]["draft_length"] for t in after if t.user_attrs.get("status") == "ok"]
     assert measured == [3, 5]  # the resumed run measured the first seed it had not reached
+    assert len(after) == 2
 
 
 # -- autotune run --plan (issue 16 point 1) ----------------------------------------------------------------
@@ -296,12 +295,14 @@ def test_the_defaults_seed_is_marked_and_is_the_baseline_wherever_it_is_queued(s
 
     p = plan.build(plan.RunOptions(gpu="h200-sxm", study="order", **{**SMALL, "concurrency": 4}))
     study = optuna.create_study(direction="maximize")
-    loop.enqueue(p, study, p.space.seed_configs())
-    queued = study.get_trials(deepcopy=False)
+    queued = [attrs for _, attrs in loop.seed_queue(p, study, p.space.seed_configs())]
     defaults = p.space.defaults()
-    marked = [i for i, t in enumerate(queued) if t.user_attrs.get("defaults_seed")]
-    assert marked == [3] and queued[3].user_attrs["seed_config"] == defaults
-    assert all(t.user_attrs["seed_config"]["compile"] == "inductor" for t in queued[:3])
+    marked = [i for i, attrs in enumerate(queued) if attrs.get("defaults_seed")]
+    assert marked == [3] and queued[3]["seed_config"] == defaults
+    assert all(attrs["seed_config"]["compile"] == "inductor" for attrs in queued[:3])
+    # The run records the defaults seed on the study: the baseline before (or without) its trial running.
+    study.set_user_attr("defaults_seed_config", defaults)
+    study.enqueue_trial(p.space.trial_params(queued[0]["seed_config"]), user_attrs=queued[0])  # a fitted seed ran
     config, trial = validate.baseline_config(SimpleNamespace(study=study, adapter=p.adapter))
     assert config == {**defaults, **p.adapter.speculation_off} and trial is None  # queued, not yet measured
     cpu = plan.build(plan.RunOptions(gpu="cpu", study="order-cpu", **SMALL))
@@ -399,7 +400,7 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
     fleet.study, fleet.view, fleet.stop_request = study, type("View", (), {"note": notes.append})(), loop.Stop(None)
     servers.ensure(first, studies / "first.log")
     try:
-        loop.enqueue(p, study, [{**first, "draft_length": 5}, {**first, "verify_slots": 2}])
+        fleet.queue = loop.seed_queue(p, study, [{**first, "draft_length": 5}, {**first, "verify_slots": 2}])
         fleet.finished = [(60.0, 50.0)]  # one trial so far: 60 s, 50 of them launching its server
         # 30 s left on a clock that stands still: the budget's arithmetic, not how long this machine takes to
         # get from here to the check.

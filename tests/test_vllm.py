@@ -149,8 +149,8 @@ def test_a_configuration_vllm_refuses_is_recorded_with_its_reason(tmp_path):
     attrs = trial.user_attrs
     assert attrs["status"] == record.FAILED and attrs["failure_kind"] == "crash"
     # vLLM's own one-line reason, not the traceback's last line
-    assert "ValidationError" in attrs["failure"] and "max_num_seqs: Input should be greater than or equal to 1" in \
-        attrs["failure"], attrs["failure"]
+    assert "ValidationError" in attrs["failure"] and "for SchedulerConfig" in attrs["failure"] and \
+        "Input should be greater than or equal to 1" in attrs["failure"], attrs["failure"]
     assert "--max-num-seqs" in attrs["argv"] and Path(attrs["log"]).is_file()
     assert done.returncode == 1 and "no trial met the requirements" in done.stdout  # and nothing to validate
 

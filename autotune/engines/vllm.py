@@ -95,8 +95,9 @@ class VLLMAdapter(EngineAdapter):
         return (self.python, "-m", "vllm.entrypoints.cli.main", "serve")
 
     @property
-    def image(self) -> str | None:
-        return None if self.cpu_build else "vllm/vllm-openai:v{version}"
+    def image(self) -> str:
+        """The official (GPU) image: the installed release's, or the data's pin beside the CPU build."""
+        return f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1] if self.cpu_build else '{version}'}"
 
     @property
     def default_load(self) -> dict:

@@ -161,9 +161,11 @@ def fit(rows: pd.DataFrame, *, c: float | None = None, max_k: int | None = None,
         raise ValueError("no request data to fit on")
     frame = feature_frame(rows)
     frame = frame[frame["spec_verify_steps"] > 0]
-    if (frame["spec_accepted_tokens"] + frame["spec_rejections"]).sum() < MIN_TRIALS:
-        raise ValueError(f"too little speculation in the data to fit on ({len(frame)} requests with verify steps; "
-                         "was the drafter 'none'?)")
+    drafted = int((frame["spec_accepted_tokens"] + frame["spec_rejections"]).sum())
+    if drafted < MIN_TRIALS:
+        where = f"{len(frame)} requests with verify steps" if len(frame) else "no request drafted: was the drafter 'none'?"
+        raise ValueError(f"too little speculation in the data to fit on: {drafted} draft-token outcomes, {MIN_TRIALS} "
+                         f"needed ({where}); a longer study or --num-requests gives more")
     cost = {"c": c, "c_from": "given"} if c is not None else draft_cost(frame)
     step_cost = None if c is not None else step_costs(frame)
     if max_k is None:  # never extrapolate the cost model past what was measured

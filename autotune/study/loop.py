@@ -4,7 +4,9 @@ server on its own slot of the machine (packing.py). Optuna's storage is the only
 asks the study for a trial, runs it (trial.py), tells the result.
 
 `run_study` creates (or resumes) a study, queues its seeds and runs the loop; `run_trials` is the loop
-with its live view, Ctrl-C handling and end-of-run bookkeeping, shared with `worker.join`.
+with its live view, Ctrl-C handling and end-of-run bookkeeping, shared with `worker.join`. Seeds wait in the
+fleet's own queue and enter the study only as a runner takes them: a run that ends first leaves no placeholder
+trial behind, and `--resume` queues the seeds no trial has run yet.
 """
 from __future__ import annotations
 
@@ -69,8 +71,9 @@ class Outcome:
     interrupted: bool
 
 
-def run_study(p: Plan, console=None) -> Outcome:
-    """Create the study (or continue it with --resume), queue the seeds, run the trial loop."""
+def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = ()) -> Outcome:
+    """Create the study (or continue it with --resume), queue the seeds (after `first`: (config, user attrs)
+    pairs such as ci's warm start), run the trial loop."""
     opts = p.opts
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
@@ -80,26 +83,37 @@ def run_study(p: Plan, console=None) -> Outcome:
                      draft_model=opts.draft_model, workload=opts.workload, space_source=p.space.source)
     study.set_user_attr("engine", opts.engine)
     study.set_user_attr("objective", opts.objective)
+    if p.space.defaults() in p.space.seed_configs():  # validation's baseline, whether or not the run reaches it
+        study.set_user_attr("defaults_seed_config", record.json_ready(p.space.defaults()))
     for name in RUN_OPTIONS:  # the load and limits validation re-runs the winners with
         study.set_user_attr(name, getattr(opts, name))
     study.set_user_attr("run_options", record.json_ready({**opts.__dict__, "parallel": 1}))  # what `autotune worker` runs
-    # Seeds first; on resume, only those an earlier run ended before reaching.
-    seeds = p.space.seed_configs() if not opts.resume else [
-        t.user_attrs["seed_config"] for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        if t.user_attrs.get("status") == record.NOT_RUN and "seed_config" in t.user_attrs]
-    enqueue(p, study, seeds)
+    # Seeds first; on resume, those the first run planned that no trial has run yet (a study from before the
+    # queue was lazy: its not_run placeholders).
+    trials = study.get_trials(deepcopy=False)
+    if not opts.resume:
+        study.set_user_attr("planned_seeds", record.json_ready(p.space.seed_configs()))
+    planned = study.user_attrs.get("planned_seeds") or [
+        t.user_attrs["seed_config"] for t in trials if t.user_attrs.get("status") == record.NOT_RUN]
+    ran = [t.user_attrs["seed_config"] for t in trials
+           if "seed_config" in t.user_attrs and t.user_attrs.get("status") != record.NOT_RUN]
+    seeds = [seed for seed in planned if seed not in ran]
+    queue = list(first) + [(config, attrs) for config, attrs in seed_queue(p, study, seeds)
+                           if all(config != c for c, _ in first)]
     deadline = time.time() + opts.budget_s if opts.budget_s else None
-    return run_trials(p, study, deadline=deadline, console=console, stale_failed=stale, close_queue=True)
+    return run_trials(p, study, deadline=deadline, console=console, stale_failed=stale, close_queue=True, queue=queue)
 
 
 def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=None, stale_failed: int = 0,
-               close_queue: bool = False) -> Outcome:
-    """Run trials until the study holds opts.trials measured ones, the deadline (time.time()) would be
-    overrun, the space is exhausted, or Ctrl-C; then record the totals. `close_queue`: the study's own
-    run closes the queued trials nobody reached (a worker leaves them to the others)."""
+               close_queue: bool = False, queue: list[tuple[dict, dict]] = ()) -> Outcome:
+    """Run trials (`queue`'s (config, user attrs) first, in order) until the study holds opts.trials measured
+    ones, the deadline (time.time()) would be overrun, the space is exhausted, or Ctrl-C; then record the
+    totals. `close_queue`: the study's own run closes trials another process queued in the storage and nobody
+    reached (a worker leaves them to the others)."""
     opts = p.opts
     (p.directory / "logs").mkdir(parents=True, exist_ok=True)
     fleet = Fleet(p)
+    fleet.queue = list(queue)
     view = LiveView(opts.objective, {n: q.default for n, q in p.space.params.items()}, console=console, enabled=opts.live)
     interrupted = False
     with view, Stop(view) as stop:
@@ -126,28 +140,29 @@ def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=
     return Outcome(p.name, p.storage, p.directory, best, default, gain, launches, saved, stale_failed, stopped)
 
 
-def enqueue(p: Plan, study: optuna.Study, seeds: list[dict]) -> None:
-    """Queue the seeds, then the best predicted configurations the seeds leave out."""
+def seed_queue(p: Plan, study: optuna.Study, seeds: list[dict]) -> list[tuple[dict, dict]]:
+    """The seeds, then the best predicted configurations the seeds and the study leave out, as (config, the user
+    attrs its trial starts with)."""
     defaults = p.space.defaults()
-    for config in seeds:  # the defaults seed is marked: validation's baseline, wherever it stands in the queue
-        marks = {"defaults_seed": True} if config == defaults else {}
-        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, **marks})
-    for config, prediction in predicted_configs(p, study):
-        study.enqueue_trial(p.space.trial_params(config), user_attrs={"seed_config": config, "predicted": prediction})
+    # the defaults seed is marked: validation's baseline, wherever it stands in the queue
+    queue = [(config, {"seed_config": config, **({"defaults_seed": True} if config == defaults else {})})
+             for config in seeds]
+    for config, prediction in predicted_configs(p, study, [c for c, _ in queue]):
+        queue.append((config, {"seed_config": config, "predicted": prediction}))
+    return queue
 
 
 def planned_queue(p: Plan) -> list[tuple[str, dict]]:
     """What a new study of this plan queues, in order, as (seed | predicted, config): `autotune run
-    --plan`, computed in an in-memory study without launching anything."""
+    --plan`, computed against an in-memory study without launching anything."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(directions=objectives.directions(p.opts.objective))
-    enqueue(p, study, p.space.seed_configs())
-    return [("predicted" if "predicted" in t.user_attrs else "seed", t.user_attrs["seed_config"])
-            for t in study.get_trials(deepcopy=False)]
+    return [("predicted" if "predicted" in attrs else "seed", config)
+            for config, attrs in seed_queue(p, study, p.space.seed_configs())]
 
 
-def predicted_configs(p: Plan, study: optuna.Study) -> list[tuple[dict, dict]]:
-    """The best configurations by predicted speed that the study has neither queued nor run, with their
+def predicted_configs(p: Plan, study: optuna.Study, queued: list[dict] = ()) -> list[tuple[dict, dict]]:
+    """The best configurations by predicted speed that neither the study nor `queued` holds, with their
     predictions; the speed model is refitted to this machine's measured trials once there are enough.
     GPU only: the roofline model has no CPU terms, so its CPU ranking is flat (the seeds do that job)."""
     profile = getattr(p.hardware, "profile", None)
@@ -162,6 +177,7 @@ def predicted_configs(p: Plan, study: optuna.Study) -> list[tuple[dict, dict]]:
             [predict.trial_from_metrics(t.user_attrs["config"], t.user_attrs["metrics"], p.opts.concurrency or 1)
              for t in measured], p.model, profile, gpus, engine=p.adapter, draft=p.draft)
     known = {record.effective_key(p.adapter, t.user_attrs.get("config") or t.user_attrs.get("seed_config") or {}) for t in trials}
+    known |= {record.effective_key(p.adapter, config) for config in queued}
     out = []
     for config, prediction in predict.rank_configs(
             p.space, p.model, profile, gpus, top=4 * PREDICTED_SEEDS, concurrency=p.opts.concurrency or 1,
@@ -211,6 +227,7 @@ class Fleet:
         self.lock = threading.Lock()
         self.finished: list[tuple[float, float]] = []  # measured trials' (seconds in all, of them launching)
         self.idle = 0
+        self.queue: list[tuple[dict, dict]] = []  # (config, user attrs) to run before sampling: seeds, warm starts
         self.errors: list[BaseException] = []
         self.last_sweep = 0.0
 
@@ -285,12 +302,20 @@ class Fleet:
             servers.stop()
 
     def _next_reuses(self, servers) -> bool:
-        """Whether the trial study.ask() hands out next, the oldest queued one, runs on this runner's live
-        server: it changes only runtime knobs (an n-gram seed after another), so it costs no launch."""
-        queued = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        config = queued[0].user_attrs.get("seed_config") if queued else None
+        """Whether the next trial, the first queued one, runs on this runner's live server: it changes only
+        runtime knobs (an n-gram seed after another), so it costs no launch."""
+        config = self.queue[0][0] if self.queue else None
         return bool(config) and servers.alive() and servers.launch_part(self.p.space.complete(config)) == \
             servers.launch_config
+
+    def _ask(self) -> optuna.Trial:
+        """The next trial: the first queued configuration, entered into the study only now, else a sampled one
+        (Optuna hands out trials another process queued in the storage first)."""
+        if self.queue:
+            config, attrs = self.queue.pop(0)
+            known = {k: v for k, v in config.items() if k in self.p.space.params}
+            self.study.enqueue_trial(self.p.space.trial_params(known), user_attrs=attrs)
+        return self.study.ask()
 
     def _next_trial(self, servers) -> optuna.Trial | None:
         """Ask the study for one more trial, wait while the trials in flight may still complete it, or stop."""
@@ -315,7 +340,7 @@ class Fleet:
                 if measured >= opts.trials:
                     return None
                 if measured + running < opts.trials:
-                    return self.study.ask()
+                    return self._ask()
             if self.pool.waiting():  # a trial in flight may wait for the GPUs our idle server holds
                 servers.stop()
             time.sleep(WAIT_S)

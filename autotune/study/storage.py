@@ -60,8 +60,9 @@ def open_study(name: str, storage: str, metrics: list[tuple[str, str]], sampler,
 
 
 def fail_waiting(study: optuna.Study, reason: str) -> int:
-    """Queued trials the run ended before reaching are closed as FAIL with status not_run, so the storage
-    holds no WAITING trials nobody will run; `--resume` queues their seed configs again."""
+    """WAITING trials nobody reached (queued in the storage by another process, or left by a run that died
+    between queueing and taking one) are closed as FAIL with status not_run, so the storage holds no WAITING
+    trials nobody will run. A run's own seeds never get there: they enter the study only as they are taken."""
     waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     for _ in waiting:
         trial = study.ask()  # takes the oldest WAITING trial
