@@ -15,6 +15,7 @@ import pytest
 
 from autotune.embedded.draft_policy import load_estimator
 from autotune.estimator import best_k, fit, fit_from_study
+from autotune.estimator.collect import study_rows
 
 C = 0.1
 # Prompts far apart on both model-free features: a loop, plain prose, text without a repeated word.
@@ -257,6 +258,31 @@ def test_study_rows_and_bad_input(tmp_path):
     for argv in (["fit", str(tmp_path / "nowhere"), "--no-collect"], ["eval", "--estimator", str(bad)]):
         done = subprocess.run(cli + argv, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done
+
+
+def test_an_engine_without_step_times_at_one_k_takes_its_cost_from_the_nearest_plain_trial(tmp_path):
+    """llama-server reports drafts and accepts but no draft/verify seconds, and a study may run its drafter at one
+    k: the step's cost is then only learnable against plain steps. The plain trial sharing the most knobs is the
+    k = 0 anchor (not one with other threads, whose steps cost another amount); client decode seconds per step
+    regressed on k give back the c they were made with."""
+    c, base = 0.05, 0.02
+    spec = synthetic_rows(requests=4).rename(columns={"text": "prompt"})
+    spec = spec.assign(config=json.dumps({"spec_type": "ngram-simple", "threads": 4, "draft_length": 6}),
+                       ttft_ms=50.0, e2e_ms=50.0 + spec["spec_verify_steps"] * base * (1 + c * 6) * 1000)
+    plain = spec.assign(spec_draft_tokens=0, spec_accepted_tokens=0, spec_rejections=0,
+                        config=json.dumps({"spec_type": "none", "threads": 4}),
+                        e2e_ms=50.0 + spec["spec_verify_steps"] * base * 1000)
+    other = plain.assign(config=json.dumps({"spec_type": "none", "threads": 1}), e2e_ms=plain["e2e_ms"] * 3)
+    (tmp_path / "requests").mkdir()
+    for n, part in enumerate((plain, spec, other)):
+        part.drop(columns=["k", "spec_rejections"]).assign(api="completions", ok=True).to_parquet(
+            tmp_path / "requests" / f"trial-{n}.parquet")
+    rows, setup = study_rows(tmp_path)
+    assert setup == {"spec_type": "ngram-simple", "threads": 4, "draft_length": 6}
+    assert sorted(rows["k"].unique()) == [0, 6] and (rows["k"] == 0).sum() == len(plain)
+    doc = json.loads(fit_from_study(tmp_path).read_text())
+    assert doc["c"] == pytest.approx(c, rel=1e-3) and doc["c_from"].startswith("step seconds regressed on k")
+    assert doc["engine_config"] == setup
 
 
 @pytest.mark.slow

@@ -100,9 +100,11 @@ def failed(rec: RequestRecord, kind: str, message: str) -> RequestRecord:
 
 def timings_usage(timings: dict) -> dict:
     """llama-server's `timings` as speculative counters: the prefill yields the first token, then every
-    verify step its accepted drafts plus one of the target's, so steps = tokens predicted - 1 - accepted."""
-    drafted, accepted, predicted = (timings.get(k) for k in ("draft_n", "draft_n_accepted", "predicted_n"))
-    if drafted is None or accepted is None or not predicted:
+    verify step its accepted drafts plus one of the target's, so steps = tokens predicted - 1 - accepted.
+    Without a drafter (no draft_n) every decode step is a plain one: nothing proposed, predicted - 1 steps."""
+    predicted = timings.get("predicted_n")
+    drafted, accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+    if not predicted:
         return {}
     steps = predicted - 1 - accepted
     if steps < 1:  # drafts accepted past max_tokens are counted but not delivered: no step count to trust

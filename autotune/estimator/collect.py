@@ -19,7 +19,10 @@ RUNTIME = ("draft_length", "draft_policy")  # knobs that change k, not the draft
 
 
 def study_rows(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
-    """The speculative rows of a study's requests/trial-N.parquet of its most measured drafter setup, and that setup.
+    """The speculative rows of a study's requests/trial-N.parquet of its most measured drafter setup, and that setup,
+    plus, as k = 0 rows, the plain requests of the plain setup nearest it (most knobs in common): what a step
+    costs without proposals, which an engine that reports no draft/verify times (llama-server) leaves the cost
+    fit no other way to learn when its drafter ran at one k.
 
     Raises ValueError when the study holds no per-request data with speculation."""
     files = sorted(Path(study_dir, "requests").glob("trial-*.parquet"))
@@ -31,14 +34,21 @@ def study_rows(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
         raise ValueError(f"{study_dir}: no request in its per-request data used speculative decoding")
     configs = frame["config"].map(json.loads)
     setups = configs.map(lambda c: json.dumps({k: v for k, v in sorted(c.items()) if k not in RUNTIME}))
-    setup = setups.value_counts().index[0]
-    frame, configs = frame[setups == setup], configs[setups == setup]
+    drafted = setups.isin(set(setups[frame["spec_draft_tokens"] > 0]))
+    if not drafted.any():
+        raise ValueError(f"{study_dir}: no request in its per-request data used speculative decoding")
+    setup = setups[drafted].value_counts().index[0]
+    chosen = json.loads(setup)
+    plain = setups[~drafted].unique()
+    nearest = max(plain, key=lambda s: sum(chosen.get(k) == v for k, v in json.loads(s).items()), default=None)
+    keep = (setups == setup) | (setups == nearest)
+    frame, configs = frame[keep], configs[keep]
     # H10's rows keep the user's text; the engine's features see the chat template around it
-    render = chat_renderer(json.loads(setup).get("model")) if (frame["api"] == "chat").any() else None
+    render = chat_renderer(chosen.get("model")) if (frame["api"] == "chat").any() else None
     rows = frame.assign(
         text=[render([{"role": "user", "content": p}]) if api == "chat" else p for p, api in zip(frame["prompt"], frame["api"])],
-        k=configs.map(lambda c: c.get("draft_length", 4)))
-    config = dict(json.loads(setup), draft_length=int(rows["k"].mode()[0]))
+        k=[c.get("draft_length", 4) if s == setup else 0 for c, s in zip(configs, setups[keep])])
+    config = dict(chosen, draft_length=int(rows["k"][rows["k"] > 0].mode()[0]))
     return rows.reset_index(drop=True), config
 
 
