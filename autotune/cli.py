@@ -4,6 +4,7 @@ Each command imports what it runs inside its function: `autotune --help` and a o
 input must not wait for torch, the engines and plotly to load.
 """
 import dataclasses
+import time
 
 import typer
 
@@ -182,10 +183,12 @@ def run(
                                               "(on the embedded engine: two more launches of the setup)"),
 ):
     """Tune an engine's launch configuration on this machine with an Optuna study."""
+    started = time.time()  # --budget counts from here: probing, trials, validation, estimator, report
     from rich.console import Console
 
-    from autotune import pipeline
+    from autotune import pipeline, validate
     from autotune.study import loop, plan
+    from autotune.study.budget import Budget, Finish
 
     try:
         opts = plan.options_from_cli(
@@ -197,7 +200,11 @@ def run(
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))
             return
-        outcome = loop.run_study(the_plan, console=Console())
+        finishing = {"top": validate.DEFAULT_TOP, "repeats": validate.DEFAULT_REPEATS, **the_plan.adapter.finish_validation}
+        budget = Budget(opts.budget_s, Finish(finishing["top"], finishing["repeats"],
+                                              estimator_passes=estimator and opts.engine == "embedded"),
+                        start=started) if opts.budget_s else None
+        outcome = loop.run_study(the_plan, console=Console(), budget=budget)
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
         typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
         raise typer.Exit(2)
@@ -208,13 +215,13 @@ def run(
     if not outcome.interrupted:  # prove the winner on fresh launches, hand it over, explain it
         try:
             done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, estimator=estimator,
-                                   **the_plan.adapter.finish_validation)
+                                   budget=budget, **the_plan.adapter.finish_validation)
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)
         if done["estimator"]:
             typer.echo(f"draft-length estimator: {done['estimator']}")
-        for line in pipeline.closing_lines(done, outcome.directory, outcome.storage):  # what was exported, last
+        for line in pipeline.closing_lines(done, outcome.directory, outcome.storage, budget):  # what was exported, last
             typer.echo(line)
 
 

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from autotune import export, report, validate
 from autotune.estimator import evaluate_for_study, fit_from_study
+from autotune.study.budget import REPORT_S, Budget, Prices, minutes
 from autotune.study.storage import load_study
 
 LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed")
@@ -22,21 +23,45 @@ LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed")
 
 def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = validate.DEFAULT_TOP,
            repeats: int = validate.DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
-           console=None, estimator: bool = True, **validate_options) -> dict:
+           console=None, estimator: bool = True, budget: Budget | None = None, **validate_options) -> dict:
     """validate -> export -> estimator fit -> estimator eval -> report. `run_options` (the tuner's RunOptions)
-    supplies the study's SLO and load. Returns {"validation": doc | None, "exported": [paths], "report": path
-    | None, "estimator": path | None, "estimator_eval": eval.json path | None, "problems": [lines]}."""
+    supplies the study's SLO and load. `budget` (the run's): validation keeps to what the estimator's passes
+    and the report leave it; the passes run only if what is left holds them (else the estimator is fitted on
+    the study's rows alone). Returns {"validation": doc | None, "exported": [paths], "report": path | None,
+    "estimator": path | None, "estimator_eval": eval.json path | None, "problems": [lines]}."""
     console = console or Console(stderr=True)
     if run_options is not None:
         slo = slo or run_options.slo
         load = {**{k: getattr(run_options, k) for k in LOAD_KEYS}, **(load or {})}
     ctx = load_study(study, storage)
+    prices = budget and Prices.of(ctx.study.get_trials(deepcopy=False), ctx.load["concurrency"] or 1)
+    passes_s = budget.finish.estimator_s(prices) if prices and estimator and budget.finish else 0.0
+    deadline = None
+    if prices:  # validation first: the estimator's passes keep their share only if a full first round fits too
+        full = budget.finish.validation_s(prices) + passes_s + REPORT_S if budget.finish else 0.0
+        deadline = budget.end - REPORT_S - (passes_s if budget.left() >= full else 0.0)
     steps = [("validation", lambda: validate.validate(ctx, top=top, repeats=repeats, slo=slo, load=load,
-                                                       console=console, **validate_options)),
+                                                       console=console, deadline=deadline, **validate_options)),
              ("exported", lambda: export.export(ctx))]
+
+    def passes_fit() -> bool:
+        if prices is None or budget.left() >= passes_s + REPORT_S:
+            return True
+        out["problems"].append(f"estimator: fitted on the study's rows alone; its traced pass and evaluation "
+                               f"(~{passes_s:.0f} s) did not fit in what was left of the budget ({budget.left():.0f} s)")
+        return False
+
+    passes = {"run": True}  # the estimator's live passes: decided as its step starts, from the time left
+
+    def fit_estimator():
+        passes["run"] = passes_fit()
+        return fit_from_study(ctx.directory, stop_rule=passes["run"])
+
+    def evaluate_estimator():
+        return evaluate_for_study(out["estimator"]) if out["estimator"] and passes["run"] else None
+
     if estimator:  # the per-request draft-length policy and stop rule, from the acceptance the trials measured
-        steps += [("estimator", lambda: fit_from_study(ctx.directory, stop_rule=True)),
-                  ("estimator_eval", lambda: out["estimator"] and evaluate_for_study(out["estimator"]))]
+        steps += [("estimator", fit_estimator), ("estimator_eval", evaluate_estimator)]
     steps.append(("report", lambda: report.write_report(ctx)))  # last: it shows the estimator's curve
     out = {"validation": None, "exported": [], "report": None, "estimator": None, "estimator_eval": None,
            "problems": []}
@@ -50,9 +75,10 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
     return out
 
 
-def closing_lines(done: dict, directory: Path, storage: str) -> list[str]:
+def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | None = None) -> list[str]:
     """What `autotune run` ends on: what was exported (not the search's best), its validated numbers, whether it
-    beat its rivals beyond the noise or tied, its greedy output against plain decoding, and where it all is."""
+    beat its rivals beyond the noise or tied, its greedy output against plain decoding, where it all is, and
+    the time it took against its budget."""
     doc, lines = done.get("validation"), []
     winner = (doc or {}).get("winner")
     if winner is None:
@@ -82,6 +108,8 @@ def closing_lines(done: dict, directory: Path, storage: str) -> list[str]:
     if done.get("report"):
         lines.append(f"report: {done['report']}")
     lines.append(f"study: {storage} (optuna-dashboard {storage})")
+    if budget is not None:
+        lines.append(f"time: {minutes(budget.total_s - budget.left())} of a {minutes(budget.total_s)} budget")
     return lines + [f"note: {problem}" for problem in done["problems"]]
 
 

@@ -43,6 +43,7 @@ from autotune.bench import load_workload, parse_slo
 from autotune.bench.client import ENDPOINTS
 from autotune.bench.runner import measure_server, served_model, warm_up
 from autotune.engines.launcher import LaunchError, launch
+from autotune.study.budget import FLOOR, Finish, Prices
 from autotune.study.record import effective_key
 from autotune.study.storage import StudyContext, load_study
 
@@ -269,10 +270,13 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
              repeats: int = DEFAULT_REPEATS, slo: str | None = None, max_noise: float = MAX_NOISE,
              quality_prompts: int = 4, quality_tokens: int = 32, load: dict | None = None,
              launch_timeout_s: float = 300.0, max_repeats: int | None = None, confidence: float = CONFIDENCE,
-             console=None, progress: bool = True) -> dict:
+             console=None, progress: bool = True, deadline: float | None = None) -> dict:
     """Validate the top configurations of a study; writes best/validation.json and returns its content.
     Repeats are added (one more launch each) to the winner and every rival it does not yet beat beyond the
-    noise, up to `max_repeats` each (default: MAX_REPEATS, at least `repeats`)."""
+    noise, up to `max_repeats` each (default: MAX_REPEATS, at least `repeats`). `deadline` (time.time(), a
+    run's --budget): the first round shrinks to fit it (fewer configurations, then fewer repeats, never below
+    the best one and the baseline twice each) at the prices the study's trials paid, and a round is added only
+    while it fits."""
     max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
     if top < 1 or repeats < 1:
         raise ValueError("--top and --repeats must be at least 1")
@@ -286,6 +290,11 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     candidates = ctx.ranked()[:top]
     if not candidates:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to validate")
+    prices = Prices.of(ctx.study.get_trials(deepcopy=False), ctx.load["concurrency"] or 1) if deadline else None
+    asked = {"top": top, "repeats": repeats}
+    if prices:
+        top, repeats = fitting_round(prices, deadline - time.time(), min(top, len(candidates)), repeats)
+        candidates = candidates[:top]
     base_config, base_trial = baseline_config(ctx)
     prompts = workload.requests[:quality_prompts]
     (ctx.directory / "validation").mkdir(parents=True, exist_ok=True)
@@ -337,7 +346,11 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         judged(baseline)
 
         # Close races get more repeats: the winner and each rival it does not beat beyond the noise.
+        budget_stop = None
         while more := next_round(ctx, results, baseline, confidence=confidence, looks=looks, max_repeats=max_repeats):
+            if prices and time.time() + round_seconds(ctx, more, prices) > deadline:
+                budget_stop = f"the budget ended the race: another round needs ~{round_seconds(ctx, more, prices):.0f} s"
+                break
             bar.update(task, total=bar.tasks[0].total + len(more))
             run(more, 1)
             for rec in more:
@@ -349,6 +362,8 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     doc = {"study": ctx.name, "storage": ctx.storage, "engine": ctx.engine, "objective": ctx.objective,
            "metric": metric, "direction": direction, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "settings": {"top": top, "repeats": repeats, "max_repeats": max_repeats, "confidence": confidence,
+                        **({"budget": {"asked": asked, "left_s": round(deadline - time.time(), 1),
+                                       "stopped": budget_stop}} if deadline else {}),
                         "slo": slo_text, "max_noise": max_noise, "workload": ctx.workload,
                         "quality_prompts": len(prompts), "quality_tokens": quality_tokens,
                         "model": ctx.model, "draft_model": ctx.draft_model, **ctx.load},
@@ -371,6 +386,23 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     ctx.best_dir.mkdir(parents=True, exist_ok=True)
     (ctx.best_dir / "validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc
+
+
+def fitting_round(prices: Prices, seconds: float, top: int, repeats: int) -> tuple[int, int]:
+    """(top, repeats) of the largest first round that fits in `seconds`: configurations dropped first (the
+    best ones stay), then repeats; at least the best configuration and the baseline, twice each."""
+    finish = Finish(top, repeats, estimator_passes=False)
+    least = min(repeats, FLOOR["repeats"])
+    for n in range(repeats, least - 1, -1):
+        for k in range(top, FLOOR["top"] - 1, -1):
+            if finish.validation_s(prices, k + 1, n) <= seconds:
+                return k, n
+    return FLOOR["top"], least
+
+
+def round_seconds(ctx: StudyContext, recs: list[dict], prices: Prices) -> float:
+    """One more round of `recs`: a launch per launch group, a benchmark per record."""
+    return len(launch_groups(ctx, recs)) * prices.launch_s + len(recs) * prices.bench_s
 
 
 def next_round(ctx: StudyContext, results: list[dict], baseline: dict, *, confidence: float, looks: int,

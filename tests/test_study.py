@@ -17,6 +17,9 @@ from optuna.trial import TrialState
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop, plan, record, storage
 from autotune.study import trial as trial_life
+from autotune.study.budget import Budget, Finish, Prices
+from autotune.study.live import LiveView
+from autotune.validate import fitting_round
 
 # Tiny benchmarks: these tests are about the loop, not the numbers.
 SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False)
@@ -383,7 +386,74 @@ def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies):
     assert a["timings"]["total_s"] > a["timings"]["launch_s"] + a["warmup_s"]  # in the trial's time: what the budget counts
 
 
-# -- the budget and launch sharing (issue 16 point 6) -----------------------------------------------------
+# -- the budget and launch sharing (issues 16 point 6, 30 points 1-2) ---------------------------------------
+def priced_trial(warmup_s: float) -> optuna.trial.FrozenTrial:
+    """A measured trial as the loop records it: launched in 10 s, warmed up, 16 tokens benchmarked in 8 s."""
+    return optuna.trial.create_trial(value=1.0, user_attrs={
+        "status": record.OK, "launch": "launched", "metrics": {"total_output_tokens": 16},
+        "timings": {"launch_s": 10.0, "warmup_s": warmup_s, "bench_s": 8.0}})
+
+
+def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
+    """A first trial's 150 s cold compile is not the price of every next one (at concurrency 8 on the H200 it
+    stopped a 300 s search after one trial): the next launch is charged the warm warm-ups seen since, none while
+    only the cold one is known (the deadline cuts a trial that overruns). The finish (validation's first round
+    and the estimator's passes) is held back from the search at those prices; a third before any."""
+    cold_only = Prices.of([priced_trial(150.0)], concurrency=2)
+    assert cold_only.trial_s(reuses_server=False) == pytest.approx(1.2 * 8 + 10)
+    assert cold_only.launch_s == 160.0  # validation relaunches: the only warm-up seen, in full
+    prices = Prices.of([priced_trial(150.0), priced_trial(20.0)], concurrency=2)
+    assert prices.trial_s(reuses_server=True) == pytest.approx(9.6)
+    assert prices.trial_s(reuses_server=False) == pytest.approx(9.6 + 10 + 20) and prices.launch_s == 30.0
+    assert prices.request_s == pytest.approx(8.0 * 2 / 16 * 32)  # two streams side by side, 32 tokens alone
+    finish = Finish(top=3, repeats=3, estimator_passes=True)
+    assert finish.validation_s(prices) == pytest.approx(4 * (30 + 4 * prices.request_s) + 4 * 3 * 8)
+    assert finish.estimator_s(prices) == pytest.approx(2 * 30 + 80 * prices.request_s)
+    assert Budget(3600, finish, start=0.0).search_deadline(None) == pytest.approx(2400)
+    assert Budget(9000, finish, start=0.0).search_deadline(prices) == pytest.approx(9000 - finish.seconds(prices))
+    # a full finish (3363 s here) takes at most half; validation then shrinks to what is left
+    assert Budget(3600, finish, start=0.0).search_deadline(prices) == pytest.approx(1800)
+    # never below validation's floor (the best one and the baseline, twice each: 363 s), nor past the start
+    assert Budget(600, finish, start=0.0).search_deadline(prices) == pytest.approx(600 - finish.floor_s(prices))
+    assert finish.floor_s(prices) == pytest.approx(2 * (30 + 4 * prices.request_s) + 2 * 2 * 8 + 15)
+    assert Budget(300, finish, start=0.0).search_deadline(prices) == 0.0
+    assert Budget(3600, None, start=0.0).search_deadline(prices) == 3600  # a worker's: all of it for trials
+    # where the defaults lead the study, validation launches them alone: less is held back
+    assert finish.validation_s(prices, configs=1) == pytest.approx(30 + 4 * prices.request_s + 3 * 8)
+    assert Budget(9000, finish, start=0.0).search_deadline(prices, configs=1) == pytest.approx(
+        9000 - finish.seconds(prices, configs=1))
+    assert Finish(3, 3, estimator_passes=False).estimator_s(prices) == 0.0
+    # validation's first round shrinks to what is left: configurations go first, then repeats, never below
+    # the best one and the baseline twice each
+    assert fitting_round(prices, finish.validation_s(prices), 3, 3) == (3, 3)
+    assert fitting_round(prices, finish.validation_s(prices, 2, 3), 3, 3) == (1, 3)
+    assert fitting_round(prices, finish.validation_s(prices, 2, 2), 3, 3) == (1, 2)
+    assert fitting_round(prices, 1.0, 3, 3) == (1, 2)
+
+
+@pytest.mark.slow
+def test_a_trial_still_running_at_the_search_deadline_is_cut_without_a_verdict(studies):
+    """A trial that outlasts the search's deadline (a cold compile, an engine that stops answering) is cut
+    there: its server is killed, the trial is FAIL with status budget (TPE learns nothing about its
+    configuration from it), it does not count as measured, and the loop goes on to the finish on time."""
+    p = plan.build(plan.RunOptions(trials=1, study="cut", sets=ONE_SERVER + ["draft_length=3", "verify_slots=3"],
+                                   **SMALL))
+    p.adapter = SlowOnThreeSlots()  # its server answers nothing in time: only the deadline can end the trial
+    study, _ = storage.open_study(p.name, p.storage, [("output_tok_s", "maximize")],
+                                  optuna.samplers.RandomSampler(seed=0), None, resume=False)
+    servers = trial_life.Servers(p)
+    started = time.time()
+    try:
+        cut = trial_life.run_trial(study, study.ask(), p, servers, LiveView("throughput", enabled=False),
+                                   deadline=started + 8.0)
+    finally:
+        servers.stop()
+    assert cut.state == TrialState.FAIL and cut.user_attrs["status"] == record.BUDGET, cut.user_attrs
+    assert cut.user_attrs["failure_kind"] == "budget" and not cut.user_attrs["measured"] and not cut.constraints
+    assert cut.user_attrs["launch"] == "launched" and cut.user_attrs["failure"].startswith("cut at the run's budget")
+    assert 8.0 <= time.time() - started < 8.0 + 30.0  # ended by the deadline, not the client's 2-minute timeout
+
+
 @pytest.mark.slow
 def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_server(studies, monkeypatch):
     """With less time left than a trial with its launch but more than one without, the next queued trial runs
@@ -394,23 +464,22 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
                                                                                          "verify_slots=1,2"], **SMALL))
     study, _ = storage.open_study(p.name, p.storage, [("output_tok_s", "maximize")],
                                   optuna.samplers.RandomSampler(seed=0), None, resume=False)
+    for warmup_s in (150.0, 20.0):  # two trials so far: a trial costs 9.6 s on a running server, 39.6 s with a launch
+        study.add_trial(priced_trial(warmup_s))
     first = {**p.space.defaults(), "draft_length": 3, "verify_slots": 1}
     fleet = loop.Fleet(p)
     servers, notes = fleet.servers[0], []
     fleet.study, fleet.view, fleet.stop_request = study, type("View", (), {"note": notes.append})(), loop.Stop(None)
-    servers.ensure(first, studies / "first.log")
+    servers.ensure(first, studies / "first.log", 300)
     try:
         fleet.queue = loop.seed_queue(p, study, [{**first, "draft_length": 5}, {**first, "verify_slots": 2}])
-        fleet.finished = [(60.0, 50.0)]  # one trial so far: 60 s, 50 of them launching its server
         # 30 s left on a clock that stands still: the budget's arithmetic, not how long this machine takes to
         # get from here to the check.
         monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: 1e9, monotonic=time.monotonic, sleep=time.sleep))
-        fleet.deadline = 1e9 + 30.0
+        fleet.budget = Budget(30.0, start=1e9)
         reusing = fleet._next_trial(servers)
-        assert reusing is not None and p.space.suggest(reusing)["draft_length"] == 5 and not notes
+        assert reusing is not None and p.space.suggest(reusing)["draft_length"] == 5 and notes[1:] == []
         study.tell(reusing, 1.0)
-        assert fleet._next_trial(servers) is None and notes == ["budget reached: no new trials"]
+        assert fleet._next_trial(servers) is None and notes[-1] == "budget reached: no new trials"
     finally:
         servers.stop()
-    assert loop.next_trial_seconds([(60.0, 50.0), (20.0, 0.5), (64.0, 48.0)], reuses_server=True) == 16.0
-    assert loop.next_trial_seconds([(60.0, 50.0), (20.0, 0.5), (64.0, 48.0)], reuses_server=False) == 60.0

@@ -96,8 +96,11 @@ class VLLMAdapter(EngineAdapter):
 
     @property
     def image(self) -> str:
-        """The official (GPU) image: the installed release's, or the data's pin beside the CPU build."""
-        return f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1] if self.cpu_build else '{version}'}"
+        """The official (GPU) image: the installed release's ("{version}", filled by export); beside the CPU
+        build, which has none, the newest release the data pins."""
+        if self.cpu_build:
+            return f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1]}"
+        return "vllm/vllm-openai:v{version}"
 
     @property
     def default_load(self) -> dict:

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 
 from autotune import predict, provenance
 from autotune.study import objectives, packing, record, storage
+from autotune.study.budget import Budget, Prices
 from autotune.study.live import LiveView
 from autotune.study.parallel import HEARTBEAT_S, WAIT_S, Heartbeat, fail, fail_stale
 from autotune.study.plan import RUN_OPTIONS, Plan
@@ -71,9 +72,10 @@ class Outcome:
     interrupted: bool
 
 
-def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = ()) -> Outcome:
+def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget: Budget | None = None) -> Outcome:
     """Create the study (or continue it with --resume), queue the seeds (after `first`: (config, user attrs)
-    pairs such as ci's warm start), run the trial loop."""
+    pairs such as ci's warm start), run the trial loop until `budget`'s search deadline (default: all of
+    --budget for trials)."""
     opts = p.opts
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
@@ -100,14 +102,14 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = ()) -> Out
     seeds = [seed for seed in planned if seed not in ran]
     queue = list(first) + [(config, attrs) for config, attrs in seed_queue(p, study, seeds)
                            if all(config != c for c, _ in first)]
-    deadline = time.time() + opts.budget_s if opts.budget_s else None
-    return run_trials(p, study, deadline=deadline, console=console, stale_failed=stale, close_queue=True, queue=queue)
+    budget = budget or (Budget(opts.budget_s) if opts.budget_s else None)
+    return run_trials(p, study, budget=budget, console=console, stale_failed=stale, close_queue=True, queue=queue)
 
 
-def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=None, stale_failed: int = 0,
+def run_trials(p: Plan, study: optuna.Study, *, budget: Budget | None, console=None, stale_failed: int = 0,
                close_queue: bool = False, queue: list[tuple[dict, dict]] = ()) -> Outcome:
     """Run trials (`queue`'s (config, user attrs) first, in order) until the study holds opts.trials measured
-    ones, the deadline (time.time()) would be overrun, the space is exhausted, or Ctrl-C; then record the
+    ones, the budget's search deadline would be overrun, the space is exhausted, or Ctrl-C; then record the
     totals. `close_queue`: the study's own run closes trials another process queued in the storage and nobody
     reached (a worker leaves them to the others)."""
     opts = p.opts
@@ -119,7 +121,7 @@ def run_trials(p: Plan, study: optuna.Study, *, deadline: float | None, console=
     with view, Stop(view) as stop:
         view.show_history(study)
         try:
-            fleet.run(study, view, stop, deadline)
+            fleet.run(study, view, stop, budget)
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -205,13 +207,6 @@ def summarize(study: optuna.Study, objective: str, defaults: dict):
     return best, default, gain
 
 
-def next_trial_seconds(finished: list[tuple[float, float]], reuses_server: bool) -> float:
-    """The median measured trial's seconds (finished: (in all, launching) per trial), less its launch when the
-    next trial reuses a running server: a compiled launch is most of a GPU trial (45-58 s of 60)."""
-    spent = sorted(total - launch if reuses_server else total for total, launch in finished)
-    return spent[len(spent) // 2]
-
-
 class Fleet:
     """N trial runners in this process (threads), each with its own engine server (trial.Servers) on its
     own slot of the machine: GPUs and a port from the packer."""
@@ -221,11 +216,12 @@ class Fleet:
         self.pool, self.ports = packing.GpuPool.for_hardware(p.hardware), packing.PortBook()
         self.aborted = False  # Ctrl-C twice, or a runner failed: stop at once
         self.out_of_time = False
+        self.budget: Budget | None = None
+        self.priced = False  # the budget's plan was said again once trials priced it
         self.servers = [Servers(p, slot=packing.Slot(self.pool, self.ports, lambda: self.aborted, adapter=p.adapter))
                         for _ in range(slots or p.opts.parallel)]
         self.running: dict[int, optuna.Trial] = {}  # runner index -> its trial in flight
         self.lock = threading.Lock()
-        self.finished: list[tuple[float, float]] = []  # measured trials' (seconds in all, of them launching)
         self.idle = 0
         self.queue: list[tuple[dict, dict]] = []  # (config, user attrs) to run before sampling: seeds, warm starts
         self.errors: list[BaseException] = []
@@ -243,13 +239,13 @@ class Fleet:
         for s in self.servers:
             s.stop()
 
-    def run(self, study: optuna.Study, view, stop, deadline: float | None = None) -> None:
-        """Run trials until the study holds opts.trials measured ones, the deadline (time.time())
-        would be overrun, or `stop.requested`. A second Ctrl-C fails our trials in flight as
-        interrupted and stops their servers."""
-        if deadline is None and self.p.opts.budget_s:
-            deadline = time.time() + self.p.opts.budget_s
-        self.study, self.view, self.stop_request, self.deadline = study, view, stop, deadline
+    def run(self, study: optuna.Study, view, stop, budget: Budget | None = None) -> None:
+        """Run trials until the study holds opts.trials measured ones, the budget's search deadline would
+        be overrun, or `stop.requested`. A second Ctrl-C fails our trials in flight as interrupted and
+        stops their servers."""
+        self.study, self.view, self.stop_request, self.budget = study, view, stop, budget
+        if budget:
+            view.note(budget.plan_line(self.prices()))
         threads = [threading.Thread(target=self._runner, args=(i,), daemon=True) for i in range(len(self.servers))]
         for t in threads:
             t.start()
@@ -271,10 +267,9 @@ class Fleet:
         try:
             while (trial := self._next_trial(servers)) is not None:
                 self.running[i] = trial
-                t0 = time.monotonic()
                 try:
                     with Heartbeat(self.study, trial):
-                        frozen = run_trial(self.study, trial, self.p, servers, self.view)
+                        frozen = run_trial(self.study, trial, self.p, servers, self.view, deadline=self.deadline())
                 except Exception as e:  # an abort (packing.Cancelled) or a storage error mid-trial
                     aborted = self.aborted
                     fail(self.study, trial._trial_id, "interrupted" if aborted else "error", f"{type(e).__name__}: {e}",
@@ -287,8 +282,6 @@ class Fleet:
                 with self.lock:
                     if frozen.user_attrs.get("measured"):
                         self.idle = 0
-                        self.finished.append((time.monotonic() - t0,
-                                              frozen.user_attrs.get("timings", {}).get("launch_s", 0.0)))
                     else:
                         self.idle += 1
                     self.view.finished(frozen, self.study)
@@ -300,6 +293,26 @@ class Fleet:
             self.aborted = True
         finally:
             servers.stop()
+
+    def prices(self) -> Prices | None:
+        return Prices.of(self.study.get_trials(deepcopy=False), self.p.opts.concurrency or 1)
+
+    def deadline(self) -> float | None:
+        """time.time() by which trials end: the budget's, less what the finish will need at today's prices.
+        None (no cut) until a trial has measured: the first, the defaults, is what the run cannot do without."""
+        prices = self.prices()
+        return self.budget.search_deadline(prices, self.validation_configs()) if self.budget and prices else None
+
+    def validation_configs(self) -> int | None:
+        """The launches validation's first round would make as the study stands: its best distinct engine runs
+        (up to the finish's top) and the defaults, unless one of them."""
+        if not (self.budget and self.budget.finish):
+            return None
+        metric, direction = objectives.metrics(self.p.opts.objective)[0]
+        ok = sorted((t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t)),
+                    key=lambda t: t.values[0], reverse=direction == "maximize")
+        best = list(dict.fromkeys(t.user_attrs.get("effective_key") for t in ok))[:self.budget.finish.top]
+        return len(best) + (record.effective_key(self.p.adapter, self.p.space.defaults()) not in best)
 
     def _next_reuses(self, servers) -> bool:
         """Whether the next trial, the first queued one, runs on this runner's live server: it changes only
@@ -324,9 +337,13 @@ class Fleet:
             with self.lock:
                 if self.aborted or self.stop_request.requested or self.idle >= MAX_IDLE_ASKS:
                     return None
-                if self.deadline and self.finished:
-                    typical = next_trial_seconds(self.finished, reuses_server=self._next_reuses(servers))
-                    if self.deadline - time.time() < typical:  # the next trial would overrun
+                if self.budget:
+                    prices = self.prices()
+                    if prices and not self.priced:
+                        self.priced = True
+                        self.view.note(self.budget.plan_line(prices, self.validation_configs()))
+                    typical = prices.trial_s(self._next_reuses(servers)) if prices else 0.0
+                    if self.budget.search_deadline(prices, self.validation_configs()) - time.time() < typical:
                         if not self.out_of_time:
                             self.view.note("budget reached: no new trials")
                         self.out_of_time = True

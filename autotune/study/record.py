@@ -20,6 +20,7 @@ REJECTED = "rejected"  # an engine rule, a hardware condition or the memory mode
 FAILED = "failed"  # the engine crashed, ran out of memory, did not come up, or died mid-benchmark
 DUPLICATE = "duplicate"  # the engine would run exactly what an earlier trial ran: its result is copied
 INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM while it ran
+BUDGET = "budget"  # cut at the run's search deadline (--budget): no verdict on its configuration (Optuna: FAIL)
 NOT_RUN = "not_run"  # queued in the storage, but nobody reached it (studies before the lazy seed queue: resumed)
 
 

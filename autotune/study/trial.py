@@ -63,8 +63,8 @@ class Servers:
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
 
-    def ensure(self, config: dict, log: Path) -> tuple[str, dict]:
-        """Bring up a server running `config`; returns (how: launched|reused, launch record)."""
+    def ensure(self, config: dict, log: Path, timeout_s: float) -> tuple[str, dict]:
+        """Bring up a server running `config` within timeout_s; returns (how: launched|reused, launch record)."""
         adapter = self.p.adapter
         if self.alive() and self.launch_part(config) == self.launch_config:
             runtime = {k: v for k, v in config.items() if k in self.runtime_names}
@@ -79,7 +79,7 @@ class Servers:
         placement = self.slot.acquire(config) if self.slot else {}  # waits for free GPUs
         self.launches += 1
         self.server = launch(adapter, config, model=self.p.opts.model, draft_model=self.p.opts.draft_model,
-                             env=placement, log_path=log, timeout_s=self.p.opts.launch_timeout_s, port=port)
+                             env=placement, log_path=log, timeout_s=timeout_s, port=port)
         self.launch_config = self.launch_part(config)
         env = {k: v for k, v in self.server.env.items() if k not in placement}
         return "launched", {"argv": self.server.argv, "env": env, "log": str(log),
@@ -93,8 +93,46 @@ class Servers:
         self.server, self.launch_config = None, None
 
 
-def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Servers, view: LiveView):
-    """One trial from suggestion to tell; returns its frozen record."""
+class Cutoff:
+    """The run's search deadline (time.time()) inside a trial: there the trial's server is killed, which ends
+    whatever it was doing (launching, warming up, measuring), and the trial is told as cut by the budget."""
+
+    def __init__(self, servers: Servers, deadline: float | None):
+        self.servers, self.deadline, self.hit = servers, deadline, threading.Event()
+        self.timer = None
+
+    def __enter__(self):
+        if self.deadline is not None:
+            self.timer = threading.Timer(max(0.0, self.deadline - time.time()), self.expire)
+            self.timer.daemon = True
+            self.timer.start()
+        return self
+
+    def expire(self):
+        self.hit.set()
+        if self.servers.server is not None:
+            self.servers.server.kill()
+
+    def __exit__(self, *exc):
+        if self.timer:
+            self.timer.cancel()
+
+    def timeout(self, seconds: float) -> float:
+        """A wait bounded by the deadline as well."""
+        return seconds if self.deadline is None else max(1.0, min(seconds, self.deadline - time.time()))
+
+    def passed(self) -> bool:
+        return self.hit.is_set() or (self.deadline is not None and time.time() >= self.deadline)
+
+
+def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Servers, view: LiveView,
+              deadline: float | None = None):
+    """One trial from suggestion to tell, cut at `deadline` (time.time()); returns its frozen record."""
+    with Cutoff(servers, deadline) as cut:
+        return _run_trial(study, trial, p, servers, view, cut)
+
+
+def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Servers, view: LiveView, cut: Cutoff):
     opts, t_start = p.opts, time.monotonic()
     config = p.space.suggest(trial)
     attrs: record.TrialRecord = {"config": config}
@@ -102,6 +140,11 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
 
     def finish(state, values=None, constraint: str | None = None, amount: float = 1.0, **more):
         attrs.update(more)
+        if state != TrialState.COMPLETE and attrs.get("launch") and cut.passed():  # not the configuration's fault
+            state, constraint = TrialState.FAIL, None
+            attrs.update(status=record.BUDGET, measured=False, failure_kind="budget",
+                         failure=f"cut at the run's budget (--budget) after {time.monotonic() - t_start:.0f} s: "
+                                 f"{attrs.get('failure', 'no result yet')}")
         attrs["timings"] = {**attrs.get("timings", {}), "total_s": round(time.monotonic() - t_start, 3)}
         flat = {k: v for k, v in (attrs.get("metrics") or {}).items() if k in record.FLAT_METRICS and v is not None}
         for k, v in record.json_ready({**attrs, **flat}).items():
@@ -143,7 +186,7 @@ def run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Server
     view.phase(trial.number, "launching")
     t0 = time.monotonic()
     try:
-        how, launch = servers.ensure(config, log)
+        how, launch = servers.ensure(config, log, cut.timeout(opts.launch_timeout_s))
     except LaunchError as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=e.kind,

@@ -15,6 +15,7 @@ import optuna
 
 from autotune import provenance
 from autotune.study import objectives, plan, storage
+from autotune.study.budget import Budget
 from autotune.study.loop import Outcome, run_trials
 
 
@@ -40,7 +41,7 @@ def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | Non
     # What is left of the study's budget, counted from its first trial, unless this worker got its own.
     started = min((t.datetime_start.timestamp() for t in study.get_trials(deepcopy=False) if t.datetime_start),
                   default=time.time())
-    deadline = time.time() + budget_s if budget_s else (started + opts.budget_s if opts.budget_s else None)
+    spend = Budget(budget_s) if budget_s else (Budget(opts.budget_s, start=started) if opts.budget_s else None)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=name, storage=study._storage,
                               sampler=objectives.make_sampler(opts.objective, seed=None),
@@ -51,4 +52,4 @@ def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | Non
     if live and console is not None:
         console.print(f"worker joined study {name} ({url}): {opts.parallel} trial(s) at a time, "
                       f"until {opts.trials} measured trials")
-    return run_trials(p, study, deadline=deadline, console=console)
+    return run_trials(p, study, budget=spend, console=console)

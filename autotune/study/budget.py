@@ -1,0 +1,133 @@
+"""`autotune run --budget`: one wall-clock limit for the whole run, validation and estimator included.
+
+  finish  = validation's first round (the top configurations and the baseline, each one launch and `repeats`
+            benchmarks) + the estimator's two passes (embedded setups: two launches, ~80 short requests)
+  search  = until end - finish, re-planned after every measured trial from what its launches and benchmarks
+            cost on this machine (Prices); before any trial has measured, a third of the budget is held back
+Each phase has a deadline it cannot overrun: a trial still running at the search's is cut (status budget:
+no verdict on its configuration), validation adds repeats only while they fit, the estimator's passes run
+only if they fit (else it is fitted on the study's own rows).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from autotune.study import record
+
+UNPRICED_FINISH_SHARE = 1 / 3  # held back for the finish before any trial has priced it
+MAX_FINISH_SHARE = 1 / 2  # at most this much held back for a full finish; validation shrinks to fit (its floor:)
+FLOOR = {"top": 1, "repeats": 2}  # the best configuration and the baseline, twice each on fresh launches
+REPORT_S = 15.0  # export and report: files and plots, no launch
+QUALITY_REQUESTS = 4  # greedy outputs validation compares, per configuration (validate's quality_prompts)
+ESTIMATOR_LAUNCHES = 2  # the traced collection pass and the evaluation: a server each
+ESTIMATOR_REQUESTS = 80  # their requests, one at a time: 6 prompts x 5 draft lengths, 8 prompts x ~6 arms
+ESTIMATOR_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What this machine charged the study so far, in seconds: medians over its measured trials."""
+    start_s: float  # a launch until the server answers
+    warmup_s: float | None  # a warm-up (compile, graph capture) once the compile cache is warm; None: one seen
+    cold_s: float  # the slowest warm-up: a cold compile, paid once
+    bench_s: float  # one full benchmark
+    request_s: float  # one request alone, ESTIMATOR_TOKENS tokens
+
+    @classmethod
+    def of(cls, trials, concurrency: int) -> Prices | None:
+        timed = [t.user_attrs for t in trials if t.user_attrs.get("status") != record.DUPLICATE
+                 and (t.user_attrs.get("timings") or {}).get("bench_s")
+                 and (t.user_attrs.get("metrics") or {}).get("total_output_tokens")]
+        if not timed:
+            return None
+        launched = [a["timings"] for a in timed if a.get("launch") == "launched"] or [a["timings"] for a in timed]
+        warm = sorted(t.get("warmup_s", 0.0) for t in launched)
+        # a stream's seconds per token: the benchmark's streams ran side by side
+        per_token = statistics.median(a["timings"]["bench_s"] * concurrency / a["metrics"]["total_output_tokens"]
+                                      for a in timed)
+        return cls(start_s=statistics.median(t.get("launch_s", 0.0) for t in launched),
+                   warmup_s=statistics.median(warm[:-1]) if len(warm) > 1 else None, cold_s=warm[-1],
+                   bench_s=statistics.median(a["timings"]["bench_s"] for a in timed), request_s=per_token * ESTIMATOR_TOKENS)
+
+    @property
+    def launch_s(self) -> float:
+        """A launch of a configuration the study compiled: its warm-up as the warm ones went (the first, cold,
+        one while it is the only one seen)."""
+        return self.start_s + (self.cold_s if self.warmup_s is None else self.warmup_s)
+
+    def trial_s(self, reuses_server: bool) -> float:
+        """A next trial: a benchmark (and the quick wave, about one more share of it), plus a launch unless the
+        running server takes it. The cold compile already paid is not charged again (with one trial seen, no
+        warm-up is: a trial that overruns is cut at the deadline all the same)."""
+        return 1.2 * self.bench_s + (0.0 if reuses_server else self.start_s + (self.warmup_s or 0.0))
+
+
+@dataclass
+class Finish:
+    """What the run does after the search: validate (top + baseline, repeats each), then the estimator."""
+    top: int
+    repeats: int
+    estimator_passes: bool  # the setup runs on the embedded engine: two live passes
+
+    def validation_s(self, prices: Prices, configs: int | None = None, repeats: int | None = None) -> float:
+        """The first round: `configs` configurations (default: the top and the baseline) launched once each."""
+        configs = self.top + 1 if configs is None else configs
+        runs = configs * (self.repeats if repeats is None else repeats)
+        return configs * (prices.launch_s + QUALITY_REQUESTS * prices.request_s) + runs * prices.bench_s
+
+    def estimator_s(self, prices: Prices) -> float:
+        return (ESTIMATOR_LAUNCHES * prices.launch_s + ESTIMATOR_REQUESTS * prices.request_s) if self.estimator_passes else 0.0
+
+    def seconds(self, prices: Prices, configs: int | None = None) -> float:
+        return self.validation_s(prices, configs) + self.estimator_s(prices) + REPORT_S
+
+    def floor_s(self, prices: Prices, configs: int | None = None) -> float:
+        least = FLOOR["top"] + 1 if configs is None else min(configs, FLOOR["top"] + 1)
+        return self.validation_s(prices, least, min(self.repeats, FLOOR["repeats"])) + REPORT_S
+
+
+@dataclass
+class Budget:
+    total_s: float
+    finish: Finish | None = None  # None: the deadline is the search's alone (a worker, a ci re-tune)
+    start: float = field(default_factory=time.time)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.total_s
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+    def search_deadline(self, prices: Prices | None, configs: int | None = None) -> float:
+        """Trials end here: what the finish needs at these prices is held back, at most half the budget unless
+        validation's floor needs more. `configs`: the launches validation's first round would make as the study
+        stands (its best distinct configurations and the defaults; one where the defaults lead)."""
+        if self.finish is None:
+            return self.end
+        if prices is None:
+            return self.end - UNPRICED_FINISH_SHARE * self.total_s
+        held = max(self.finish.floor_s(prices, configs),
+                   min(self.finish.seconds(prices, configs), MAX_FINISH_SHARE * self.total_s))
+        return self.end - min(held, self.total_s)
+
+    def plan_line(self, prices: Prices | None, configs: int | None = None) -> str:
+        """How the budget will be spent, said at the start (and as the prices change)."""
+        total = f"budget {minutes(self.total_s)}"
+        if self.finish is None:
+            return f"{total}, all of it for trials"
+        search = self.search_deadline(prices, configs) - self.start
+        if prices is None:
+            return (f"{total}: trials for about {minutes(search)}, then validation of the top {self.finish.top} "
+                    f"({self.finish.repeats} benchmarks each on fresh launches)"
+                    + (", the draft-length estimator's passes" if self.finish.estimator_passes else "")
+                    + " and the report; re-planned as trials price launches and benchmarks here")
+        return (f"{total}: trials until {minutes(search)}, validation ~{minutes(self.finish.validation_s(prices, configs))}"
+                + (f", estimator ~{minutes(self.finish.estimator_s(prices))}" if self.finish.estimator_passes else "")
+                + f" (a launch {prices.launch_s:.0f} s, a benchmark {prices.bench_s:.0f} s here)")
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
