@@ -304,15 +304,18 @@ class Fleet:
         return self.budget.search_deadline(prices, self.validation_configs()) if self.budget and prices else None
 
     def validation_configs(self) -> int | None:
-        """The launches validation's first round would make as the study stands: its best distinct engine runs
-        (up to the finish's top) and the defaults, unless one of them."""
+        """The launches validation's first round would make if the next trial joined the study's best: its best
+        distinct engine runs (up to the finish's top) and the defaults, unless one of them. (Counting only the
+        trials so far let a last trial start whose own validation the budget then had no room for.)"""
         if not (self.budget and self.budget.finish):
             return None
-        metric, direction = objectives.metrics(self.p.opts.objective)[0]
-        ok = sorted((t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t)),
-                    key=lambda t: t.values[0], reverse=direction == "maximize")
-        best = list(dict.fromkeys(t.user_attrs.get("effective_key") for t in ok))[:self.budget.finish.top]
-        return len(best) + (record.effective_key(self.p.adapter, self.p.space.defaults()) not in best)
+        top = self.budget.finish.top
+        ok = [t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t)]
+        maximize = objectives.metrics(self.p.opts.objective)[0][1] == "maximize"
+        ok.sort(key=lambda t: t.values[0], reverse=maximize)
+        best = list(dict.fromkeys(t.user_attrs.get("effective_key") for t in ok))[:top]
+        defaults = record.effective_key(self.p.adapter, self.p.space.defaults())
+        return min(len(best) + 1, top) + (defaults not in best)
 
     def _next_reuses(self, servers) -> bool:
         """Whether the next trial, the first queued one, runs on this runner's live server: it changes only
