@@ -176,6 +176,8 @@ def run(
     concurrency: int = typer.Option(None, help="concurrent requests during each benchmark (default: the workload's)"),
     num_requests: int = typer.Option(None, help="requests per trial benchmark"),
     max_tokens: int = typer.Option(None, help="cap on output tokens per request"),
+    min_measure: float = typer.Option(10.0, help="seconds a benchmark lasts at least: its requests are multiplied "
+                                                 "(up to 16x) at the pace its first wave showed; 0: --num-requests as given"),
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
     parallel: str = typer.Option("1", help="trials side by side on disjoint GPUs (CPU: cores shared): auto | N"),
     plan_only: bool = typer.Option(False, "--plan", help="print the planned space and queued seeds, launch nothing"),
@@ -194,7 +196,8 @@ def run(
         opts = plan.options_from_cli(
             engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
-            concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, gpu=gpu, seed=seed,
+            concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, min_measure_s=min_measure,
+            gpu=gpu, seed=seed,
             parallel=parallel, engine_binary=engine_binary)
         the_plan = plan.build(opts)
         if plan_only:

@@ -18,7 +18,7 @@ from autotune.estimator import evaluate_for_study, fit_from_study
 from autotune.study.budget import REPORT_S, Budget, Prices, minutes
 from autotune.study.storage import load_study
 
-LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed")
+LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed", "min_measure_s")
 
 
 def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = validate.DEFAULT_TOP,

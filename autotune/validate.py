@@ -41,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.bench import load_workload, parse_slo
 from autotune.bench.client import ENDPOINTS
-from autotune.bench.runner import measure_server, served_model, warm_up
+from autotune.bench.runner import measure_server, served_model, sized_load, warm_up
 from autotune.engines.launcher import LaunchError, launch
 from autotune.study.budget import FLOOR, Finish, Prices
 from autotune.study.record import effective_key
@@ -219,13 +219,20 @@ def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[
                 rec["greedy"] = greedy_outputs(server.base_url, prompts, quality_tokens) if prompts else []
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 rec["greedy_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        # as long as a trial's benchmark: the requests that fill the load's least length at the warm pace
+        # (sized at a record's first launch, kept for its later ones: repeats measure one load)
+        concurrency = ctx.load["concurrency"] or 1
+        n = recs[0].get("bench_requests") or sized_load(ctx.load["num_requests"], warm["waves"][-1], concurrency,
+                                                         concurrency, ctx.load["min_measure_s"])
+        for rec in recs:
+            rec["bench_requests"] = n
         alive = True
         for repeat in range(repeats):
             for rec in (recs if repeat % 2 == 0 else recs[::-1]):
                 use(server, rec)
                 r = len(rec["runs"])
                 summary, requests = measure_server(server, workload, concurrency=ctx.load["concurrency"],
-                                                   num_requests=ctx.load["num_requests"],
+                                                   num_requests=n,
                                                    max_tokens=ctx.load["max_tokens"], seed=ctx.load["seed"])
                 path = ctx.directory / "validation" / f"{rec['label']}-repeat-{r}.parquet"
                 requests.assign(repeat=r).to_parquet(path, index=False)
@@ -558,7 +565,8 @@ def pick_winner(results: list[dict], metric: str, direction: str) -> tuple[dict 
 
 def _public(rec: dict) -> dict:
     """The record as written to validation.json (the greedy texts are long: only the quality verdict stays)."""
-    keep = ("label", "trial", "config", "argv", "env", "log", "launch_s", "warmup_s", "failure", "greedy_error", "study_value",
+    keep = ("label", "trial", "config", "argv", "env", "log", "launch_s", "warmup_s", "bench_requests", "failure",
+            "greedy_error", "study_value",
             "stats", "quality", "status", "reasons", "request_files")
     out = {k: rec[k] for k in keep if k in rec}
     out["runs"] = [{k: run.get(k) for k in (*TRACKED, "completed", "failed", "duration_s", "errors_by_kind")}

@@ -20,7 +20,8 @@ from autotune.study.storage import load_study
 
 SETS = ["drafter=none,ngram", "draft_length=2", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
         "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
-LOAD = {"concurrency": 2, "num_requests": 2, "max_tokens": 8}
+# min_measure_s 0: the asked requests, not multiplied to fill MEASURE_S (these tests are about plumbing)
+LOAD = {"concurrency": 2, "num_requests": 2, "max_tokens": 8, "min_measure_s": 0}
 NAME = "cistudy"
 
 

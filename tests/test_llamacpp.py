@@ -49,7 +49,7 @@ ADAPTER = LlamaCppAdapter()
 LIGHT = ["threads=1", "parallel=2"]
 # The code workload's prompts repeat their own text: a short lookup n-gram finds matches within 24 tokens.
 NGRAM = ["spec_type=none,ngram-simple", "spec_ngram_simple_size_n=3"]
-SMALL = {"engine": "llamacpp", "workload": "code", "concurrency": 2, "num_requests": 4, "quick_requests": 1,
+SMALL = {"engine": "llamacpp", "workload": "code", "concurrency": 2, "num_requests": 4, "quick_requests": 1, "min_measure_s": 0,
          "max_tokens": 24, "live": False}
 STARTUP_S = 120
 

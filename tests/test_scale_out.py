@@ -201,7 +201,8 @@ def postgres():
 # Tiny benchmarks, one launch configuration per worker (draft_length is changed on the running server). The
 # space holds twice the configurations a test asks for: with only as many, the sampler's repeats of measured ones
 # can use up the idle-ask limit before it finds the last one (a worker then stops a trial short).
-SMALL = {"workload": "code", "num_requests": 2, "quick_requests": 1, "concurrency": 2, "max_tokens": 8, "live": False}
+SMALL = {"workload": "code", "num_requests": 2, "quick_requests": 1, "concurrency": 2, "max_tokens": 8, "live": False,
+         "min_measure_s": 0}
 ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
               "dtype=float32", "quantization=none", "compile=none", "threads=1", "verify_slots=2", "draft_length=1..16"]
 

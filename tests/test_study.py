@@ -17,12 +17,13 @@ from optuna.trial import TrialState
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop, plan, record, storage
 from autotune.study import trial as trial_life
+from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
 from autotune.study.budget import Budget, Finish, Prices
 from autotune.study.live import LiveView
 from autotune.validate import fitting_round
 
 # Tiny benchmarks: these tests are about the loop, not the numbers.
-SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False)
+SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False, min_measure_s=0)
 # One launch configuration (only the runtime knob draft_length and the crash switch vary).
 ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
               "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -228,7 +229,7 @@ def test_bad_input_is_one_line_exit_2_and_study_intact(tmp_path):
 
 @pytest.mark.slow
 def test_sigint_stops_after_current_trial(tmp_path):
-    proc = cli("--study", "interrupted", "--trials", "10", "--num-requests", "2", "--concurrency", "2",
+    proc = cli("--study", "interrupted", "--trials", "10", "--num-requests", "2", "--concurrency", "2", "--min-measure", "0",
                "--max-tokens", "8", *[a for s in ONE_SERVER + ["verify_slots=2"] for a in ("--set", s)],
                env_dir=tmp_path)
     log = tmp_path / "interrupted" / "logs" / "trial-0.log"
@@ -429,6 +430,32 @@ def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
     assert fitting_round(prices, finish.validation_s(prices, 2, 3), 3, 3) == (1, 3)
     assert fitting_round(prices, finish.validation_s(prices, 2, 2), 3, 3) == (1, 2)
     assert fitting_round(prices, 1.0, 3, 3) == (1, 2)
+
+
+def test_a_benchmark_is_sized_to_last_its_least_length_at_the_pace_its_wave_showed():
+    """At concurrency 4, 8 requests whose wave of 4 took 0.6 s (the H200's 0.6 s trials) become the 67 that fill
+    10 s; a wave of one took one request's time, the benchmark keeps 4 in flight; a load already long enough is
+    measured as asked; never more than MAX_LOAD_FACTOR times it."""
+    assert sized_load(8, 0.6, 4, 4, min_s=10.0) == 67
+    assert sized_load(8, 0.6, 1, 4, min_s=10.0) == 67
+    assert sized_load(8, 1.2, 8, 4, min_s=10.0) == 67  # a wave of 8 at concurrency 4: two requests' time, same pace
+    assert sized_load(8, 30.0, 4, 4, min_s=10.0) == 8
+    assert sized_load(8, 0.001, 4, 4, min_s=10.0) == 8 * MAX_LOAD_FACTOR
+    assert sized_load(8, None, 4, 4) == sized_load(8, 0.6, 4, 4, min_s=0.0) == 8
+
+
+@pytest.mark.slow
+def test_a_trial_measures_the_requests_that_fill_its_least_length(studies):
+    """The full benchmark sends what the quick wave's pace says fills min_measure_s (here 6 s from 2 asked
+    requests), records that count, and its per-request rows are those requests."""
+    opts = plan.RunOptions(trials=1, study="sized", sets=ONE_SERVER + ["draft_length=3", "verify_slots=2"],
+                           **{**SMALL, "min_measure_s": 6.0})
+    t = trials_of(loop.run_study(plan.build(opts)))[0]
+    timings = t.user_attrs["timings"]
+    assert t.user_attrs["status"] == record.OK
+    assert timings["bench_requests"] == sized_load(2, timings["quick_s"], 1, 2, min_s=6.0) > 2
+    rows = pd.read_parquet(t.user_attrs["requests_file"])
+    assert len(rows) == timings["bench_requests"] == t.user_attrs["metrics"]["completed"]
 
 
 @pytest.mark.slow

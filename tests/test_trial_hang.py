@@ -17,7 +17,8 @@ from autotune.engines.launcher import Launcher, free_port
 from autotune.study import loop, plan, record
 from autotune.study import trial as trial_life
 
-SMALL = {"workload": "code", "num_requests": 4, "quick_requests": 2, "concurrency": 2, "max_tokens": 8, "live": False}
+SMALL = {"workload": "code", "num_requests": 4, "quick_requests": 2, "concurrency": 2, "max_tokens": 8, "live": False,
+         "min_measure_s": 0}
 # One launch configuration but for verify_slots, so the second trial is a new effective config (not a duplicate).
 SETS = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256", "dtype=float32",
         "quantization=none", "compile=none", "threads=1", "draft_length=3", "verify_slots=4,3"]

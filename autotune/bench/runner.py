@@ -22,6 +22,11 @@ from .workloads import Workload, load_workload, with_api
 # A warm-up wave this many times faster than the one before means one-time costs (compiling, capturing)
 # were still being paid: another wave follows.
 WARMUP_SPEEDUP = 1.5
+# A benchmark that ranks configurations lasts at least this long: 8 requests of 48 tokens took 0.6 s on the
+# H200 and read 654-875 tok/s where the same configurations run 1351 on a long load (what noise ranks), so
+# its requests are multiplied (up to MAX_LOAD_FACTOR times) to fill MEASURE_S at the pace a wave showed.
+MEASURE_S = 10.0
+MAX_LOAD_FACTOR = 16
 
 
 @dataclass
@@ -206,6 +211,17 @@ def measure_server(server, workload: Workload, *, concurrency: int | None, num_r
     summary = json_ready(dict(result.summary))
     summary["duration_s"] = round(time.monotonic() - t0, 3)
     return summary, result.requests
+
+
+def sized_load(num_requests: int, wave_s: float | None, wave_requests: int, concurrency: int,
+               min_s: float = MEASURE_S) -> int:
+    """Requests a benchmark at `concurrency` needs to last `min_s` at the pace of a wave of `wave_requests` that
+    took `wave_s` (a wave no wider than the concurrency ran side by side: it took one request's time, and the
+    benchmark keeps `concurrency` in flight): at least `num_requests`, at most MAX_LOAD_FACTOR times that."""
+    if not wave_s or wave_s <= 0:
+        return num_requests
+    needed = math.ceil(min_s * max(wave_requests, concurrency) / wave_s)
+    return int(min(max(num_requests, needed), num_requests * MAX_LOAD_FACTOR))
 
 
 def warm_up(server, workload: Workload, *, concurrency: int | None, max_tokens: int | None, seed: int = 0,

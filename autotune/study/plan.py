@@ -10,6 +10,7 @@ from pathlib import Path
 
 from autotune import predict
 from autotune.bench import load_workload, parse_slo
+from autotune.bench.runner import MEASURE_S
 from autotune.engines import get_adapter
 from autotune.engines.base import EngineAdapter
 from autotune.hardware import probe
@@ -20,7 +21,8 @@ from autotune.study import objectives, storage
 from autotune.study.parallel import arrange
 
 DEFAULT_TRIALS = 25
-RUN_OPTIONS = ("workload", "slo", "concurrency", "num_requests", "max_tokens", "seed", "model", "draft_model")
+RUN_OPTIONS = ("workload", "slo", "concurrency", "num_requests", "max_tokens", "min_measure_s", "seed", "model",
+               "draft_model")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class RunOptions:
     num_requests: int | None = None
     quick_requests: int | None = None
     max_tokens: int | None = None
+    min_measure_s: float = MEASURE_S  # a benchmark's least length: its requests multiplied to fill it (bench.runner)
     gpu: str = "auto"
     studies_root: str | None = None
     launch_timeout_s: float = 300.0
@@ -81,6 +84,8 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
     """RunOptions from the command line's values, with the defaults that depend on other flags."""
     if resume and not study:
         raise ValueError("--resume needs --study NAME (the study to continue)")
+    if rest.get("min_measure_s", 0) < 0:
+        raise ValueError(f"--min-measure {rest['min_measure_s']:g}: expected seconds >= 0")
     adapter = get_adapter(engine)  # raises for an unknown engine
     budget_s = parse_duration(budget) if budget else adapter.default_budget_s
     for name, value in adapter.default_load.items():

@@ -176,7 +176,7 @@ def load_study(study: str | Path, storage: str | None = None) -> StudyContext:
             "num_requests": attrs.get("num_requests") or first.get("sent") or LOAD_DEFAULTS["num_requests"],
             "max_tokens": attrs.get("max_tokens") or (round(mean_tokens) if mean_tokens else None)
             or LOAD_DEFAULTS["max_tokens"],
-            "seed": attrs.get("seed", first.get("seed", 0))}
+            "seed": attrs.get("seed", first.get("seed", 0)), "min_measure_s": attrs.get("min_measure_s", 0.0)}
     return StudyContext(name, url, directory, s, engine, attrs.get("objective", "throughput"),
                         attrs.get("workload") or provenance.get("workload") or "code", model,
                         attrs.get("draft_model", provenance.get("draft_model")), provenance,

@@ -23,7 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict
-from autotune.bench.runner import measure_server, warm_up
+from autotune.bench.runner import measure_server, sized_load, warm_up
 from autotune.bench.workloads import prompt_text
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space import constraints
@@ -226,7 +226,8 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
 
     # 5. quick first measurement, then the full benchmark.
     try:
-        quick, requests = measure(p, servers, opts.quick_requests or _quick_size(p), request_timeout=timeout)
+        quick_n = opts.quick_requests or _quick_size(p)
+        quick, requests = measure(p, servers, quick_n, request_timeout=timeout)
         attrs["quick"] = quick
         attrs["timings"]["quick_s"] = quick.get("duration_s")
         timed_out = (quick.get("errors_by_kind") or {}).get("timeout")
@@ -245,8 +246,11 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
                 return finish(TrialState.PRUNED, status=record.PRUNED,
                               failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
         view.phase(trial.number, "benchmarking")
-        attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(p, quick)
-        summary, requests = measure(p, servers, opts.num_requests, deadline_s=deadline)
+        asked = opts.num_requests or len(p.workload.requests)  # what run_benchmark sends when not told
+        attrs["timings"]["bench_requests"] = n = sized_load(asked, quick.get("duration_s"), quick_n, opts.concurrency or 1,
+                                                            opts.min_measure_s)
+        attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(quick, quick_n, n)
+        summary, requests = measure(p, servers, n, deadline_s=deadline)
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=e.kind, failure=str(e))
@@ -293,10 +297,8 @@ def quick_timeout(study: optuna.Study, defaults: dict) -> tuple[float | None, st
     return max(QUICK_TIMEOUT_FLOOR_S, QUICK_TIMEOUT_FACTOR * seconds), f"{which} trial {ref.number}'s {seconds:.1f} s"
 
 
-def bench_deadline(p: Plan, quick: dict) -> float:
+def bench_deadline(quick: dict, quick_n: int, full_n: int) -> float:
     """Seconds the full benchmark may take: BENCH_DEADLINE_FACTOR x the quick wave's time per request x its size."""
-    quick_n = p.opts.quick_requests or _quick_size(p)
-    full_n = p.opts.num_requests or len(p.workload.requests)  # what run_benchmark sends when not told
     return max(BENCH_DEADLINE_FLOOR_S, BENCH_DEADLINE_FACTOR * quick["duration_s"] * full_n / quick_n)
 
 
