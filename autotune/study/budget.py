@@ -3,7 +3,8 @@
   finish  = validation's first round (the top configurations and the baseline, each one launch and `repeats`
             benchmarks) + the estimator's two passes (embedded setups: two launches, ~80 short requests)
   search  = until end - finish, re-planned after every measured trial from what its launches and benchmarks
-            cost on this machine (Prices); before any trial has measured, a third of the budget is held back
+            cost on this machine (Prices); until two launches are known (the first is cold), a third of the
+            budget is held back
 Each phase has a deadline it cannot overrun: a trial still running at the search's is cut (status budget:
 no verdict on its configuration), validation adds repeats only while they fit, the estimator's passes run
 only if they fit (else it is fitted on the study's own rows).
@@ -28,10 +29,10 @@ ESTIMATOR_TOKENS = 32
 
 @dataclass(frozen=True)
 class Prices:
-    """What this machine charged the study so far, in seconds: medians over its measured trials."""
-    start_s: float  # a launch until the server answers
-    warmup_s: float | None  # a warm-up (compile, graph capture) once the compile cache is warm; None: one seen
-    cold_s: float  # the slowest warm-up: a cold compile, paid once
+    """What this machine charged the study so far, in seconds: medians over its measured trials. A launch is
+    its start and warm-up together: engines compile in either (the embedded engine before it answers)."""
+    warm_launch_s: float | None  # a launch, the slowest (a cold compile, paid once) left out; None: one seen
+    cold_launch_s: float  # the slowest launch
     bench_s: float  # one full benchmark
     request_s: float  # one request alone, ESTIMATOR_TOKENS tokens
 
@@ -43,25 +44,25 @@ class Prices:
         if not timed:
             return None
         launched = [a["timings"] for a in timed if a.get("launch") == "launched"] or [a["timings"] for a in timed]
-        warm = sorted(t.get("warmup_s", 0.0) for t in launched)
+        launches = sorted(t.get("launch_s", 0.0) + t.get("warmup_s", 0.0) for t in launched)
         # a stream's seconds per token: the benchmark's streams ran side by side
         per_token = statistics.median(a["timings"]["bench_s"] * concurrency / a["metrics"]["total_output_tokens"]
                                       for a in timed)
-        return cls(start_s=statistics.median(t.get("launch_s", 0.0) for t in launched),
-                   warmup_s=statistics.median(warm[:-1]) if len(warm) > 1 else None, cold_s=warm[-1],
-                   bench_s=statistics.median(a["timings"]["bench_s"] for a in timed), request_s=per_token * ESTIMATOR_TOKENS)
+        return cls(warm_launch_s=statistics.median(launches[:-1]) if len(launches) > 1 else None,
+                   cold_launch_s=launches[-1], bench_s=statistics.median(a["timings"]["bench_s"] for a in timed),
+                   request_s=per_token * ESTIMATOR_TOKENS)
 
     @property
     def launch_s(self) -> float:
-        """A launch of a configuration the study compiled: its warm-up as the warm ones went (the first, cold,
-        one while it is the only one seen)."""
-        return self.start_s + (self.cold_s if self.warmup_s is None else self.warmup_s)
+        """A relaunch of a configuration the study ran (validation's): as the warm launches went, or as the only
+        one seen, cold, while no other is known."""
+        return self.cold_launch_s if self.warm_launch_s is None else self.warm_launch_s
 
     def trial_s(self, reuses_server: bool) -> float:
         """A next trial: a benchmark (and the quick wave, about one more share of it), plus a launch unless the
-        running server takes it. The cold compile already paid is not charged again (with one trial seen, no
-        warm-up is: a trial that overruns is cut at the deadline all the same)."""
-        return 1.2 * self.bench_s + (0.0 if reuses_server else self.start_s + (self.warmup_s or 0.0))
+        running server takes it. The cold compile already paid is not charged again (with one launch seen, no
+        launch is: a trial that overruns is cut at the deadline all the same)."""
+        return 1.2 * self.bench_s + (0.0 if reuses_server else self.warm_launch_s or 0.0)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Budget:
         stands (its best distinct configurations and the defaults; one where the defaults lead)."""
         if self.finish is None:
             return self.end
-        if prices is None:
+        if prices is None or prices.warm_launch_s is None:  # one launch seen: cold, not what a relaunch costs
             return self.end - UNPRICED_FINISH_SHARE * self.total_s
         held = max(self.finish.floor_s(prices, configs),
                    min(self.finish.seconds(prices, configs), MAX_FINISH_SHARE * self.total_s))
@@ -119,14 +120,14 @@ class Budget:
         if self.finish is None:
             return f"{total}, all of it for trials"
         search = self.search_deadline(prices, configs) - self.start
-        if prices is None:
+        if prices is None or prices.warm_launch_s is None:
             return (f"{total}: trials for about {minutes(search)}, then validation of the top {self.finish.top} "
                     f"({self.finish.repeats} benchmarks each on fresh launches)"
                     + (", the draft-length estimator's passes" if self.finish.estimator_passes else "")
                     + " and the report; re-planned as trials price launches and benchmarks here")
         return (f"{total}: trials until {minutes(search)}, validation ~{minutes(self.finish.validation_s(prices, configs))}"
                 + (f", estimator ~{minutes(self.finish.estimator_s(prices))}" if self.finish.estimator_passes else "")
-                + f" (a launch {prices.launch_s:.0f} s, a benchmark {prices.bench_s:.0f} s here)")
+                + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here)")
 
 
 def minutes(seconds: float) -> str:

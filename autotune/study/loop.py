@@ -342,7 +342,7 @@ class Fleet:
                     return None
                 if self.budget:
                     prices = self.prices()
-                    if prices and not self.priced:
+                    if prices and prices.warm_launch_s is not None and not self.priced:
                         self.priced = True
                         self.view.note(self.budget.plan_line(prices, self.validation_configs()))
                     typical = prices.trial_s(self._next_reuses(servers)) if prices else 0.0
