@@ -188,9 +188,8 @@ def run(
     started = time.time()  # --budget counts from here: probing, trials, validation, estimator, report
     from rich.console import Console
 
-    from autotune import pipeline, validate
+    from autotune import pipeline
     from autotune.study import loop, plan
-    from autotune.study.budget import Budget, Finish
 
     try:
         opts = plan.options_from_cli(
@@ -203,10 +202,7 @@ def run(
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))
             return
-        finishing = {"top": validate.DEFAULT_TOP, "repeats": validate.DEFAULT_REPEATS, **the_plan.adapter.finish_validation}
-        budget = Budget(opts.budget_s, Finish(finishing["top"], finishing["repeats"],
-                                              estimator_passes=estimator and opts.engine == "embedded"),
-                        start=started) if opts.budget_s else None
+        budget = pipeline.run_budget(the_plan, estimator=estimator, start=started)
         outcome = loop.run_study(the_plan, console=Console(), budget=budget)
     except (ValueError, OSError) as e:  # bad input: nothing in the study was touched
         typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)

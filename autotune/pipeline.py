@@ -15,10 +15,21 @@ from rich.console import Console
 
 from autotune import export, report, validate
 from autotune.estimator import evaluate_for_study, fit_from_study
-from autotune.study.budget import REPORT_S, Budget, Prices, minutes
+from autotune.estimator.live import measurable
+from autotune.study.budget import REPORT_S, Budget, Finish, Prices, minutes
 from autotune.study.storage import load_study
 
 LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed", "min_measure_s")
+
+
+def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
+    """`autotune run --budget`'s: the search, then this module's finish as the plan's engine runs it (its
+    validation settings; the estimator's live passes where its setup runs on the embedded engine)."""
+    if not p.opts.budget_s:
+        return None
+    settings = {"top": validate.DEFAULT_TOP, "repeats": validate.DEFAULT_REPEATS, **p.adapter.finish_validation}
+    passes = estimator and measurable(p.space.defaults())
+    return Budget(p.opts.budget_s, Finish(settings["top"], settings["repeats"], estimator_passes=passes), start=start)
 
 
 def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = validate.DEFAULT_TOP,

@@ -90,7 +90,8 @@ def main():
     pool = ThreadPoolExecutor(len(configs))
     servers = dict(zip(configs, pool.map(lambda name: launch(adapter, configs[name], log_path=out / f"{name}.log",
                                                               timeout_s=args.launch_timeout), configs)))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=False).stdout.strip()
     record = {"commit": commit, "configs": configs, "asked": ASKED, "workload": WORKLOAD, "min_measure_s": MEASURE_S,
               "long_s": args.long_s, "rounds": args.rounds, "results": {}}
     try:
