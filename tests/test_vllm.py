@@ -133,6 +133,33 @@ def test_acceptance_from_metrics_agrees_with_the_servers_log(tmp_path):
         server.stop()
 
 
+# -- a draft model: the bundled model's HF copy drafting for itself ----------------------------------------
+@pytest.mark.slow
+def test_a_draft_model_drafts_on_the_cpu_build(tmp_path):
+    """speculative_method draft_model with --draft-model DIR reaches vLLM's CPU backend as its speculative
+    config's model, and drafts: a float32 draft that is the target itself proposes, greedy, the target's next
+    tokens, so its drafts are accepted (all of them here; another CPU's summation order may flip a near tie, hence
+    the 0.8) and a draft model that were not used would draft nothing."""
+    config = {"speculative_method": "draft_model", "num_speculative_tokens": 3, "enforce_eager": True,
+              "dtype": "float32", "threads": 1, "cpu_kvcache_space": 1}
+    assert ADAPTER.check(config, has_draft_model=True) == []
+    draft = str(bundled_hf_dir(ADAPTER.python))
+    server = launch(ADAPTER, config, draft_model=draft, log_path=tmp_path / "server.log", timeout_s=STARTUP_S)
+    try:
+        spec = json.loads(server.argv[server.argv.index("--speculative-config") + 1])
+        assert spec["method"] == "draft_model" and spec["model"] == draft
+        model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        before = server_metrics.scrape(server.base_url)
+        r = httpx.post(server.base_url + "/v1/completions", timeout=300,
+                       json={"model": model, "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        after = server_metrics.scrape(server.base_url)
+        steps, drafted, accepted = (after[n] - before.get(n, 0.0) for n in ADAPTER.spec_counters)
+        assert steps > 0 and drafted == 3 * steps and accepted >= 0.8 * drafted
+    finally:
+        server.stop()
+
+
 # -- a configuration vLLM refuses: recorded with its reason ------------------------------------------------
 @pytest.mark.slow
 def test_a_configuration_vllm_refuses_is_recorded_with_its_reason(tmp_path):
