@@ -55,17 +55,13 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
                                                        console=console, deadline=deadline, **validate_options)),
              ("exported", lambda: export.export(ctx))]
 
-    def passes_fit() -> bool:
-        if prices is None or budget.left() >= passes_s + REPORT_S:
-            return True
-        out["problems"].append(f"estimator: fitted on the study's rows alone; its traced pass and evaluation "
-                               f"(~{passes_s:.0f} s) did not fit in what was left of the budget ({budget.left():.0f} s)")
-        return False
-
     passes = {"run": True}  # the estimator's live passes: decided as its step starts, from the time left
 
     def fit_estimator():
-        passes["run"] = passes_fit()
+        passes["run"] = prices is None or budget.left() >= passes_s + REPORT_S
+        if not passes["run"]:
+            out["problems"].append(f"estimator: fitted on the study's rows alone; its traced pass and evaluation "
+                                   f"(~{passes_s:.0f} s) did not fit in what was left of the budget ({budget.left():.0f} s)")
         return fit_from_study(ctx.directory, stop_rule=passes["run"])
 
     def evaluate_estimator():

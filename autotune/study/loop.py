@@ -300,8 +300,8 @@ class Fleet:
     def deadline(self) -> float | None:
         """time.time() by which trials end: the budget's, less what the finish will need at today's prices.
         None (no cut) until a trial has measured: the first, the defaults, is what the run cannot do without."""
-        prices = self.prices()
-        return self.budget.search_deadline(prices, self.validation_configs()) if self.budget and prices else None
+        prices = self.prices() if self.budget else None
+        return self.budget.search_deadline(prices, self.validation_configs()) if prices else None
 
     def validation_configs(self) -> int | None:
         """The launches validation's first round would make if the next trial joined the study's best: its best
@@ -341,12 +341,12 @@ class Fleet:
                 if self.aborted or self.stop_request.requested or self.idle >= MAX_IDLE_ASKS:
                     return None
                 if self.budget:
-                    prices = self.prices()
+                    prices, configs = self.prices(), self.validation_configs()
                     if prices and prices.warm_launch_s is not None and not self.priced:
                         self.priced = True
-                        self.view.note(self.budget.plan_line(prices, self.validation_configs()))
+                        self.view.note(self.budget.plan_line(prices, configs))
                     typical = prices.trial_s(self._next_reuses(servers)) if prices else 0.0
-                    if self.budget.search_deadline(prices, self.validation_configs()) - time.time() < typical:
+                    if self.budget.search_deadline(prices, configs) - time.time() < typical:
                         if not self.out_of_time:
                             self.view.note("budget reached: no new trials")
                         self.out_of_time = True
