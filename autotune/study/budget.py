@@ -108,10 +108,13 @@ class Budget:
         stands (its best distinct configurations and the defaults; one where the defaults lead)."""
         if self.finish is None:
             return self.end
-        if prices is None or prices.warm_launch_s is None:  # one launch seen: cold, not what a relaunch costs
+        if prices is None:
             return self.end - UNPRICED_FINISH_SHARE * self.total_s
-        held = max(self.finish.floor_s(prices, configs),
-                   min(self.finish.seconds(prices, configs), MAX_FINISH_SHARE * self.total_s))
+        if prices.warm_launch_s is None:  # one launch seen: cold, not what a relaunch costs; the floor still holds
+            held = max(self.finish.floor_s(prices, configs), UNPRICED_FINISH_SHARE * self.total_s)
+        else:
+            held = max(self.finish.floor_s(prices, configs),
+                       min(self.finish.seconds(prices, configs), MAX_FINISH_SHARE * self.total_s))
         return self.end - min(held, self.total_s)
 
     def plan_line(self, prices: Prices | None, configs: int | None = None) -> str:
