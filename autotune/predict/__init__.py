@@ -10,8 +10,9 @@
 This package never imports the engines: the caller passes the adapter (what it reads: knobs.Engine).
 """
 from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
+from autotune.predict.drafts import draft_kind
 from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory
-from autotune.predict.models import ModelSpec, draft_kind, load_model, presets
+from autotune.predict.models import ModelSpec, load_model, presets
 from autotune.predict.rank import Prediction, launch_command, rank_configs
 from autotune.predict.speed import ALPHA_PRIORS, Coefficients, SpeedEstimate, expected_tokens, predict_speed
 

@@ -8,8 +8,9 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.hardware import probe
+from autotune.predict.drafts import draft_kind
 from autotune.predict.knobs import Engine
-from autotune.predict.models import draft_kind, load_model
+from autotune.predict.models import load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
 from autotune.space import load_space
 from autotune.space.constraints import CHECKPOINT_FORMATS

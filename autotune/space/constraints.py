@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from autotune.space.space import Space
 
-# The draft checkpoint each drafter family runs (predict.models.draft_kind names them); the other
+# The draft checkpoint each drafter family runs (predict.drafts.draft_kind names them); the other
 # families need none (mtp: the target's own layers; lookup and the embedded self-drafters).
 DRAFT_CHECKPOINT = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "draft": "standalone"}
 # Quantization values that read a checkpoint already in that format (never converted at load time).
