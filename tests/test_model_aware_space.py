@@ -111,12 +111,11 @@ def test_four_bit_weights_follow_the_checkpoint(tmp_path):
     linear = 8_030_261_248 - 2 * 128256 * 4096
     m = predict_memory(awq, {"tensor_parallel_size": 1}, H100, 1, engine=VLLM)  # unset: read as the checkpoint's AWQ
     assert m.weights_gb * 1e9 == pytest.approx(linear * (0.5 + 2.5 / 128) + 2 * 128256 * 4096 * 2, rel=1e-6)
-    # both engines pick Marlin for an AWQ/GPTQ checkpoint themselves (and refuse an explicit awq_marlin
-    # where Marlin does not run): the launch leaves the flag to the checkpoint's quantization_config
+    # both engines resolve an AWQ checkpoint to awq_marlin where Marlin runs: the launch line says so
     for engine in (SGLANG, VLLM):
         argv, _ = engine.command({engine.tp_key: 1, "quantization": "awq_marlin"}, model=str(tmp_path / "awq"),
                                  draft_model=None, host="127.0.0.1", port=1)
-        assert "--quantization" not in argv
+        assert argv[argv.index("--quantization") + 1] == "awq_marlin"
 
 
 def test_27b_fits_one_24gb_card_in_4_bit():

@@ -4,7 +4,9 @@ settings it would actually run (read from sglang/srt/arg_groups/speculative_hook
 Config keys are SGLang's own option names (`tp_size`, `speculative_num_steps`, ...); "none" or None
 leaves a flag out. Two quantization values are ours: `w8a16_fp8` = weight-only FP8 through the Marlin
 kernels (`--quantization fp8` with SGLANG_FORCE_FP8_MARLIN=1; what fp8 does by itself on Ampere);
-`awq_marlin` / `gptq_marlin` = an AWQ / GPTQ checkpoint, which SGLang runs through Marlin by itself (no flag).
+`awq_marlin` / `gptq_marlin` = an AWQ / GPTQ checkpoint through Marlin (`--quantization awq_marlin`, the
+method SGLang resolves such a checkpoint to by itself where Marlin runs; the row names the checkpoint:
+autotune/predict/checkpoints.py).
 """
 import sys
 
@@ -17,7 +19,6 @@ ALGORITHMS = (*EAGLE_FAMILY, "NGRAM", "DFLASH")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
 TREE_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")  # EAGLE topk > 1 with page_size > 1
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
-CHECKPOINT_QUANTIZATION = ("awq_marlin", "gptq_marlin")  # 4-bit checkpoints, read as their config says
 # DFLASH without --speculative-num-draft-tokens takes the draft config's block_size, else 16
 # (sglang/srt/arg_groups/speculative_hook.py, _handle_dflash: `inferred_block_size = 16`).
 DFLASH_DEFAULT_BLOCK = 16
@@ -67,11 +68,9 @@ class SGLangAdapter(EngineAdapter):
         config, env = dict(config), {}
         if config.get("quantization") == "w8a16_fp8":
             config["quantization"], env["SGLANG_FORCE_FP8_MARLIN"] = "fp8", "1"
-        if config.get("quantization") in CHECKPOINT_QUANTIZATION:
-            # the checkpoint's quantization_config decides: SGLang turns an AWQ/GPTQ checkpoint into
-            # awq_marlin/gptq_marlin by itself where Marlin runs (configs/model_config.py,
-            # _verify_quantization: override_quantization_method); an explicit one is refused elsewhere
-            config.pop("quantization")
+        # awq_marlin / gptq_marlin stay as given: the flag SGLang itself resolves an AWQ/GPTQ checkpoint to where
+        # Marlin runs (configs/model_config.py, _verify_quantization: override_quantization_method returns
+        # awq_marlin for user_quant None, "marlin" or "awq_marlin"), so the launch line says what it runs
         if draft_model and config.get("speculative_algorithm") in EAGLE_FAMILY + ("DFLASH",):
             config.setdefault("speculative_draft_model_path", draft_model)
         elif model and config.get("speculative_algorithm") == "NEXTN":

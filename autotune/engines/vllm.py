@@ -15,8 +15,8 @@ speculative ones, which are keys of its `--speculative-config` JSON: `speculativ
 VLLM_CPU_KVCACHE_SPACE) and `threads` (compute threads, bound to the first cores this process may use,
 VLLM_CPU_OMP_THREADS_BIND; unset: vLLM binds one thread per physical core and keeps one core for itself).
 Quantization `w8a16_fp8` = FP8 weights through Marlin (`--quantization fp8`: vLLM picks Marlin by itself on
-Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an AWQ / GPTQ checkpoint, whose own
-quantization_config vLLM follows (no flag).
+Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an AWQ / GPTQ checkpoint through Marlin
+(`--quantization awq_marlin`; the row names the checkpoint: autotune/predict/checkpoints.py).
 
 The CPU build's `vllm` command is broken (it looks up a distribution named "vllm"): it is launched as
 `python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
@@ -35,7 +35,6 @@ METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash", "mtp")
 NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
 CPU_METHODS = ("ngram",)  # what the CPU build speculates with here (suffix needs arctic-inference, a CUDA package)
 NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
-CHECKPOINT_QUANTIZATION = ("awq_marlin", "gptq_marlin")  # 4-bit checkpoints, read as their config says
 # KV block size on CUDA when --block-size is unset (vllm/platforms/cuda.py sets 16; a hybrid model's
 # attention blocks grow until a page holds one recurrent state: predict/memory.py).
 DEFAULT_BLOCK_SIZE = 16
@@ -175,12 +174,9 @@ class VLLMAdapter(EngineAdapter):
         flags = {k: v for k, v in config.items() if k not in SPEC_KEYS and k not in ENV_KEYS}
         if flags.get("quantization") == "w8a16_fp8":
             flags["quantization"] = "fp8"
-        if flags.get("quantization") in CHECKPOINT_QUANTIZATION:
-            # the checkpoint's quantization_config decides: vLLM 0.33 serves AWQ/GPTQ checkpoints through
-            # AutoAWQ/AutoGPTQ, which pick the Marlin kernels on cc >= 8.0 by themselves
-            # (model_executor/layers/quantization/auto_awq.py, override_quantization_method); an explicit
-            # awq_marlin is refused where Marlin is not (the CPU)
-            flags.pop("quantization")
+        # awq_marlin / gptq_marlin stay as given: vLLM accepts them for an AWQ/GPTQ checkpoint on a GPU
+        # (vllm 0.32.0 model_executor/layers/quantization/auto_awq.py, override_quantization_method: user_quant
+        # None, awq, awq_marlin, auto_awq or marlin) and refuses them on the CPU, where the space has none
         spec = self.speculative_config(config, draft_model)
         if spec is not None:
             flags["speculative_config"] = spec

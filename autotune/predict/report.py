@@ -8,12 +8,12 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.hardware import probe
+from autotune.predict.checkpoints import checkpoint_for
 from autotune.predict.drafts import draft_kind
 from autotune.predict.knobs import Engine
 from autotune.predict.models import load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
 from autotune.space import load_space
-from autotune.space.constraints import CHECKPOINT_FORMATS
 
 REFUSED_SHOWN = 10  # pinned configurations refused, listed with their reasons
 
@@ -50,8 +50,14 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
                           draft_kind=kind, keep=refused)
     target = model_argument(spec, model, engine)
     defaults = load_space(engine.name)
-    rows = [{"rank": i + 1, "config": config, "changed": changed(config, defaults), **prediction.to_dict(),
-             "launch": launch_command(engine, config, target, draft_model)} for i, (config, prediction) in enumerate(ranked)]
+    rows = []
+    for i, (config, prediction) in enumerate(ranked):
+        checkpoint = checkpoint_for(spec.name, engine.knobs(config, profile.is_gpu), target)
+        load = checkpoint.load_as if checkpoint and checkpoint.load_as else target
+        rows.append({"rank": i + 1, "config": config, "changed": changed(config, defaults), **prediction.to_dict(),
+                     "checkpoint": checkpoint.describe() if checkpoint else None,
+                     "user_supplies_checkpoint": bool(checkpoint and checkpoint.user_supplied),
+                     "launch": launch_command(engine, config, load, draft_model)})
     refused_rows = [{"changed": changed(config, defaults), "reasons": reasons}
                     for config, reasons in refused[:REFUSED_SHOWN]] if pins else []
     where = f"{gpus} x {profile.name}"
@@ -59,24 +65,23 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
         return json.dumps({"predicted": True, "model": spec.name, "hardware": where, "engine": engine.name,
                            "concurrency": concurrency, "pinned": pins, "configs": rows, "refused": refused_rows},
                           indent=2, default=str)
-    return _table(rows, spec.name, where, engine.name, concurrency, profile, pins, refused_rows,
-                  spec.source.startswith("https://"))
+    return _table(rows, spec.name, where, engine.name, concurrency, profile, pins, refused_rows)
 
 
 def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: int, profile, pins: dict,
-           refused: list[dict], model_is_preset: bool) -> str:
+           refused: list[dict]) -> str:
     title = (f"PREDICTED (not measured): {model} on {where}, {engine}, ranked by "
              + (f"tok/s at concurrency {concurrency}" if concurrency > 1 else "single-stream tok/s"))
     table = Table(title=title)
     for col in ("#", "configuration (changed from defaults)", "tok/s 1 stream", f"tok/s @{concurrency}",
-                "tok/step", "GB/GPU", "KV tokens", "seqs", "bound"):
+                "tok/step", "GB/GPU", "KV tokens", "seqs", "bound", "weights"):
         table.add_column(col, justify="left" if col.startswith("config") else "right")
     for r in rows:
         s, m = r["speed"], r["memory"]
         knobs = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(engine defaults)"
         table.add_row(str(r["rank"]), knobs, f"{s['single_tok_s']:.1f}", f"{s['concurrent_tok_s']:.1f}",
                       f"{s['tokens_per_step']:.2f}", f"{m['weights_gb'] + m['draft_gb']:.1f}", str(m["kv_tokens"]),
-                      str(s["batch"]), s["bound"])
+                      str(s["batch"]), s["bound"], _weights_mark(r))
     out = io.StringIO()
     console = Console(file=out, width=160, force_terminal=False)
     console.print(table)
@@ -87,13 +92,18 @@ def _table(rows: list[dict], model: str, where: str, engine: str, concurrency: i
         console.print(f"  refused: {knobs}: {'; '.join(r['reasons'])}", soft_wrap=True)
     if not rows:
         console.print("no configuration fits: see `autotune estimate --help` for --num-gpus, --gpu, --set")
-    formats = sorted({CHECKPOINT_FORMATS[str(r["config"].get("quantization")).lower()] for r in rows
-                      if str(r["config"].get("quantization")).lower() in CHECKPOINT_FORMATS})
-    if formats and model_is_preset:
-        console.print(f"{' / '.join(f.upper() for f in formats)} rows load a 4-bit checkpoint of {model}: point --model-path "
-                      "/ --model at one (its AWQ or GPTQ repo), not at the 16-bit weights named below")
+    for checkpoint in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"]):
+        ranks = ", ".join(str(r["rank"]) for r in rows if r["checkpoint"] == checkpoint)
+        console.print(f"rows {ranks} load {checkpoint}", soft_wrap=True)
     note = "" if profile.is_gpu else " (CPU: no bandwidth on the profile; assumed, see autotune/predict/speed.py)"
     console.print(f"PREDICTED launch commands{note}:")
     for r in rows:
         console.print(f"  {r['rank']}. {r['launch']}", soft_wrap=True)
     return out.getvalue().rstrip()
+
+
+def _weights_mark(row: dict) -> str:
+    """The weights column: "you supply" where no published checkpoint of that format is known."""
+    if not row["checkpoint"]:
+        return ""
+    return "you supply" if row["user_supplies_checkpoint"] else "published"
