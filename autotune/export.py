@@ -155,8 +155,10 @@ def _scalar(text: str):
     return text
 
 
-def config_yaml(ctx: StudyContext, pick: dict, argv: list[str]) -> str:
-    """The engine's flags (not the address) as {name: value}; flags without a value are `true`."""
+def config_yaml(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, str] | None = None) -> str:
+    """The engine's flags (not the address) as {name: value}; flags without a value are `true`. An engine reads
+    no environment from its config file, so the environment the winner ran with (SGLANG_FORCE_FP8_MARLIN=1 keeps
+    fp8 weight-only) leads the `use:` line and is listed in the header."""
     options = {}
     for group in flag_lines(ctx.adapter.engine_args(argv)):
         name, values = group[0].removeprefix("--"), group[1:]
@@ -164,10 +166,13 @@ def config_yaml(ctx: StudyContext, pick: dict, argv: list[str]) -> str:
             continue
         options[name] = True if not values else _scalar(values[0]) if len(values) == 1 else [_scalar(v) for v in values]
     use = ctx.adapter.config_file_use
+    assignments = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
     head = [f"# {ctx.engine} options of study {ctx.name}, trial {pick['trial']}"
             + ("" if pick["validated"] else " (NOT VALIDATED)")]
-    head.append(f"# use: {use}" if use else f"# {ctx.engine} flags (--name value); it reads no config file: "
-                "best/launch.sh passes exactly these")
+    if assignments:
+        head.append(f"# environment (set it too, the engine reads it from there): {assignments}")
+    head.append(f"# use: {assignments + ' ' if assignments else ''}{use}" if use else
+                f"# {ctx.engine} flags (--name value); it reads no config file: best/launch.sh passes exactly these")
     return "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False)
 
 
@@ -217,7 +222,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
         if check.returncode:
             raise ValueError(f"generated launch.sh does not parse: {check.stderr.strip().splitlines()[0]}")
     if "yaml" in formats:
-        write("config.yaml", config_yaml(ctx, pick, argv))
+        write("config.yaml", config_yaml(ctx, pick, argv, env))
     docker = docker_line(ctx, argv, env)
     if "docker" in formats and docker:
         write("docker-run.sh", "#!/usr/bin/env bash\n# the engine's official image, same flags as launch.sh\n"

@@ -304,6 +304,10 @@ def test_export_for_gpu_engines_from_an_unvalidated_study(tmp_path, engine, conf
     assert image in docker and "--host 0.0.0.0" in docker and "-p 127.0.0.1:" in docker
     if engine == "sglang":  # weight-only FP8 through Marlin is an environment switch of SGLang
         assert "export SGLANG_FORCE_FP8_MARLIN=1" in script and "-e SGLANG_FORCE_FP8_MARLIN=1" in docker
+        # config.yaml cannot set it; its `use:` line does, so a run from the YAML stays W8A16
+        use = next(line for line in (directory / "best" / "config.yaml").read_text().splitlines()
+                   if line.startswith("# use: "))
+        assert use.startswith("# use: SGLANG_FORCE_FP8_MARLIN=1 python -m sglang.launch_server --config")
     else:
         assert json.loads(launch["argv"][launch["argv"].index("--speculative-config") + 1])["method"] == "ngram"
     # The report degrades to notes where the data is missing (no validation, no per-request tables).
