@@ -332,6 +332,8 @@ def estimate(
     num_gpus: int = typer.Option(None, help="GPUs to plan for (default: this machine's count, or 1 for a profile)"),
     engine: str = typer.Option("sglang", help="sglang | vllm | llamacpp | embedded"),
     draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head (enables the drafters that need one)"),
+    draft_kind: str = typer.Option(None, help="eagle | eagle3 | dflash | standalone: what --draft-model is, where its "
+                                   "config.json cannot be read here (a hub id not in the local cache)"),
     alpha: float = typer.Option(None, help="per-token draft acceptance in (0, 1) (default: a cited prior per drafter)"),
     concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),
     context_len: int = typer.Option(None, help="tokens one sequence must fit (default 4096; embedded: 2048)"),
@@ -348,7 +350,7 @@ def estimate(
     try:
         adapter = get_adapter(engine)
         text = estimate_report(model=model, gpu=gpu, num_gpus=num_gpus, engine=adapter,
-                               draft_model=draft_model, alpha=alpha, concurrency=concurrency,
+                               draft_model=draft_model, draft_kind=draft_kind, alpha=alpha, concurrency=concurrency,
                                context_len=context_len, top=top, as_json=json_output,
                                space=user_space(adapter, space, set_ or [], model))
     except ValueError as e:

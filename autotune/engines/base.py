@@ -15,6 +15,9 @@ from autotune.predict.knobs import Knobs
 SCHEMA_DIR = Path(__file__).parent / "schemas"
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
 _SUFFIXED_INT = re.compile(r"^\d+(\.\d+)?(k|K|M|G|T|Ki|Mi|Gi|Ti)?$")
+# The draft checkpoint kind (predict.drafts.DRAFT_KINDS) each drafter family runs; the other families need
+# none (mtp: the target's own layers; lookup and the embedded self-drafters).
+DRAFT_KIND_OF_FAMILY = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "draft": "standalone"}
 WANTED = {"int": "an integer", "float": "a number", "json": "a JSON value", "int_suffix": "an integer like 8192 or 8k",
           "int_suffix_or_auto": "an integer like 8192 or 8k, or auto"}
 
@@ -276,6 +279,16 @@ class EngineAdapter:
 
     def effective(self, config: dict) -> dict:
         return dict(config)
+
+    def draft_problem(self, config: dict, draft) -> str | None:
+        """Why the engine would refuse `config`'s drafter with the draft checkpoint `draft` (a
+        predict.drafts.DraftCheckpoint), or run it as something else; None: it runs it as asked. Here: the
+        checkpoint kind the drafter family runs; an engine whose code maps architecture names says more."""
+        family = self.knobs(config, True).drafter
+        need = DRAFT_KIND_OF_FAMILY.get(family)
+        if need and need != draft.kind:
+            return f"{family} needs a{'n' if need[0] in 'ae' else ''} {need} draft checkpoint; --draft-model is {draft.kind}"
+        return None
 
     def config_keys(self) -> set[str]:
         """Every key a config of this engine may carry: its flag schema's option names."""

@@ -32,6 +32,14 @@ DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspa
 # their own size_m (ngram-mod: spec_ngram_mod_n_max).
 DRAFTS_WITH_MODEL = (*DRAFT_MODEL_TYPES, "draft-mtp")
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+# The drafter family of each type and the -md GGUF it reads. llama.cpp tells a draft GGUF's kind by its
+# general.architecture (build 11434 src/llama-arch.cpp: LLM_ARCH_EAGLE3 "eagle3", LLM_ARCH_DFLASH "dflash"; the
+# loaders refuse one without 'extract_layers' / 'target_layers'); draft-simple runs any other model of the target's
+# vocabulary; draft-mtp drafts with the target's own NextN layers (`<arch>.nextn_predict_layers`: "creating MTP
+# draft context against the target model"), no -md; the n-gram types read no model.
+SPEC_FAMILIES = {"draft-simple": "draft", "draft-dspark": "draft", "draft-eagle3": "eagle3", "draft-dflash": "dflash",
+                 "draft-mtp": "mtp", **{t: "lookup" for t in NGRAM_TYPES}}
+DRAFT_GGUF_KINDS = {"draft-simple": "standalone", "draft-eagle3": "eagle3", "draft-dflash": "dflash"}
 FLOAT_CACHE = ("f32", "f16", "bf16")
 GGUF_TYPE = "gguf_type"  # the weight format of the GGUF file -m loads (llama-quantize's names): not a flag
 SHARD = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")  # a split model's file name; llama-server is given the first
@@ -142,8 +150,6 @@ class LlamaCppAdapter(EngineAdapter):
         spec = c.get("spec_type", "none")
         if spec in DRAFT_MODEL_TYPES and has_draft_model is False and not c.get("spec_draft_model"):
             out.append(f"spec_type {spec} drafts with a second model: needs --draft-model (-md)")
-        if spec == "draft-mtp":
-            out.append("spec_type draft-mtp needs a checkpoint with MTP layers; the spaces do not offer it")
         for prefix in ("spec_ngram_simple_", "spec_ngram_map_k_", "spec_ngram_map_k4v_"):
             n, m = c.get(prefix + "size_n", 12), c.get(prefix + "size_m", 48)
             if spec.replace("-", "_") == prefix[5:-1] and m < n:
@@ -173,6 +179,18 @@ class LlamaCppAdapter(EngineAdapter):
                        f"(< {MIN_SLOT_CONTEXT})")
         return out
 
+    def draft_problem(self, config, draft):
+        spec = config.get("spec_type")
+        kind = DRAFT_GGUF_KINDS.get(spec)
+        if kind is None:
+            return None
+        if draft.gguf_architecture is None:
+            return f"spec_type {spec}: llama-server's -md loads a GGUF file; --draft-model {draft.name} is not one"
+        if draft.kind != kind:
+            return f"spec_type {spec} needs a{'n' if kind[0] in 'ae' else ''} {kind} draft GGUF; --draft-model's " \
+                   f"architecture is {draft.gguf_architecture}"
+        return None
+
     def effective(self, config):
         """What the server would run: draft knobs of other families, and defaults, dropped."""
         c = self.explicit(config)
@@ -191,9 +209,13 @@ class LlamaCppAdapter(EngineAdapter):
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
         spec = c.get("spec_type")
-        drafter = "draft" if spec in DRAFT_MODEL_TYPES else "lookup" if spec in NGRAM_TYPES else None
-        # a draft model drafts n_max tokens a step; n-gram lookup up to its size_m (a long run is rare)
-        steps = int(c.get("spec_draft_n_max", 3)) if drafter == "draft" else 8 if drafter else 0
+        drafter = SPEC_FAMILIES.get(spec)
+        # a draft model (EAGLE-3 head, MTP layers) drafts n_max tokens a step, one pass each; DFlash the block of
+        # n_max in one pass; n-gram lookup up to its size_m (a long run is rare)
+        steps = 8 if drafter == "lookup" else int(c.get("spec_draft_n_max", 3)) if drafter else 0
+        verify = steps + 1
+        if drafter == "dflash":
+            steps = 1
         # the file's weight format (a config from before gguf_type: the bundled Q4_1 file, as WEIGHT_BYTES prices
         # "gguf"); the KV cache's ggml type (q8_0: 34 bytes per 32 elements)
         read = {"quantization": c.get(GGUF_TYPE, "gguf"), "kv_cache_dtype": c.get("cache_type_k", "f16")}
@@ -202,7 +224,7 @@ class LlamaCppAdapter(EngineAdapter):
         # &cpu_buft_list}); token_embd is its tensor (src/llama-arch.cpp:750: LLM_TENSOR_TOKEN_EMBD ->
         # LLM_TENSOR_LAYER_INPUT, GGML_OP_GET_ROWS). The head is the output layer's (llama-model.cpp:1616), on the
         # GPU, at the types gguf_type's file stores it at.
-        return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=steps + 1,
+        return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=verify,
                           cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
                           max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
                           cuda_context=on_gpu, gguf_type=c.get(GGUF_TYPE, "Q4_1"), embedding_on_host=True)

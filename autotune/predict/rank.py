@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.hardware import planned
+from autotune.predict.drafts import DraftCheckpoint
 from autotune.predict.knobs import Engine
 from autotune.predict.memory import MemoryEstimate, predict_memory
 from autotune.predict.models import ModelSpec
@@ -62,19 +63,22 @@ def _hardware(profile, num_gpus: int):
 
 def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int = 10, *, engine: Engine,
                  concurrency: int = 1, context_len: int | None = None, alpha: float | None = None,
-                 draft: ModelSpec | None = None, has_draft_model: bool = False, draft_kind: str | None = None,
-                 calibration=None, keep=None) -> list[tuple[dict, Prediction]]:
+                 draft: ModelSpec | None = None, has_draft_model: bool = False,
+                 draft_checkpoint: DraftCheckpoint | None = None, calibration=None,
+                 keep=None) -> list[tuple[dict, Prediction]]:
     """The `top` configurations of `space` (of the engine adapter `engine`) by predicted decode tok/s (at
-    `concurrency` when > 1, else one stream), each with its memory and speed prediction. Skipped: configs
-    the engine's rules, the hardware or the checkpoints refuse (MTP without MTP layers, a drafter other
-    than `draft_kind`'s family, AWQ for 16-bit weights), speculative algorithms needing a draft model when
-    `has_draft_model` is False, and configs that do not fit memory. Speed is predicted at half of
-    `context_len` cached tokens (a sequence's average while it grows to the length memory must hold).
-    `keep`: a list that receives (config, reasons) for every configuration refused, in enumeration order."""
+    `concurrency` when > 1, else one stream), each with its memory and speed prediction, one per launch
+    command (the best of those a command stands for: two configurations the engine runs alike print alike).
+    Skipped: configs the engine's rules, the hardware or the checkpoints refuse (MTP without MTP layers, a
+    drafter the engine would not run `draft_checkpoint` with, AWQ for 16-bit weights), speculative
+    algorithms needing a draft model when `has_draft_model` is False, and configs that do not fit memory.
+    Speed is predicted at half of `context_len` cached tokens (a sequence's average while it grows to the
+    length memory must hold). `keep`: a list that receives (config, reasons) for every configuration
+    refused, in enumeration order."""
     if space.engine != engine.name:
         raise ValueError(f"a {space.engine} search space ranked as {engine.name} configurations")
     hw = _hardware(profile, num_gpus)
-    shape = ModelShape.of(model, draft_kind)
+    shape = ModelShape.of(model, draft_checkpoint)
     on_gpu = bool(profile.is_gpu)
     refused = keep if keep is not None else []
     seen, ranked = set(), []
@@ -84,7 +88,7 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
             problems += hardware_violations(config, hw, shape, adapter=engine)
         else:  # no GPU: only what the checkpoints decide
             problems += [p for p in (quantization_problem(config.get("quantization"), shape),
-                                     drafter_problem(engine.knobs(config, on_gpu).drafter, shape)) if p]
+                                     drafter_problem(config, shape, adapter=engine, on_gpu=on_gpu)) if p]
         if problems:
             refused.append((config, problems))
             continue
@@ -102,7 +106,14 @@ def rank_configs(space, model: ModelSpec, profile, num_gpus: int = 1, top: int =
                               calibration=calibration, max_sequences=memory.max_sequences())
         ranked.append((config, Prediction(memory, speed)))
     ranked.sort(key=lambda cp: -(cp[1].speed.concurrent_tok_s if concurrency > 1 else cp[1].speed.single_tok_s))
-    return ranked[:top]
+    # what the user sees is the launch line: the same model and draft arguments stand in for every row
+    lines, shown = set(), []
+    for config, prediction in ranked:
+        line = launch_command(engine, config, "MODEL", "DRAFT" if has_draft_model else None)
+        if line not in lines:
+            lines.add(line)
+            shown.append((config, prediction))
+    return shown[:top]
 
 
 def launch_command(engine: Engine, config: dict, model: str | None, draft_model: str | None = None,

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from autotune.hardware import probe
 from autotune.predict.checkpoints import checkpoint_for
-from autotune.predict.drafts import draft_kind
+from autotune.predict.drafts import read_draft
 from autotune.predict.knobs import Engine
 from autotune.predict.models import load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
@@ -20,22 +20,24 @@ REFUSED_SHOWN = 10  # pinned configurations refused, listed with their reasons
 
 def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engine, draft_model: str | None,
                     alpha: float | None, concurrency: int, context_len: int | None, top: int, as_json: bool,
-                    space=None) -> str:
+                    space=None, draft_kind: str | None = None) -> str:
     """`engine`: the engine's adapter; `space`: its search space as the user narrowed it (`--space`,
     `--set`: study.plan.user_space), default the engine's own. Every configuration ranked satisfies the
     pins; those the rules, checkpoints or memory refuse are listed with the reason when the user pinned
-    anything (what they asked about, however it ranks). Raises ValueError (one line) for anything unusable."""
+    anything (what they asked about, however it ranks). The draft checkpoint is offered only as what its
+    config (or `draft_kind`, --draft-kind, where none can be read) says it is. Raises ValueError (one line) for
+    anything unusable."""
     if alpha is not None and not 0 < alpha < 1:
         raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
     if concurrency < 1 or top < 1 or (num_gpus is not None and num_gpus < 1) or (context_len is not None and context_len < 1):
         raise ValueError("--concurrency, --top, --num-gpus and --context-len must be at least 1")
     spec = load_model(model)
-    kind = draft_kind(draft_model) if draft_model else None
-    draft = None
-    if draft_model:
+    checkpoint = read_draft(draft_model, draft_kind) if draft_model else None
+    draft = None  # its weights, where its files are here (a directory, a GGUF, a hub id's cached snapshot)
+    if checkpoint and checkpoint.files:
         try:
-            draft = load_model(draft_model)
-        except ValueError:  # a hub id or an EAGLE head: named in the command, sized by the model's rules
+            draft = load_model(checkpoint.files)
+        except ValueError:  # a head whose config has no model shapes: sized by the model's rules
             draft = None
     hardware = probe(gpu)
     profile = hardware.profile
@@ -47,7 +49,7 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
     refused: list = []
     ranked = rank_configs(space, spec, profile, gpus, top, engine=engine, concurrency=concurrency,
                           context_len=context_len, alpha=alpha, draft=draft, has_draft_model=bool(draft_model),
-                          draft_kind=kind, keep=refused)
+                          draft_checkpoint=checkpoint, keep=refused)
     target = model_argument(spec, model, engine)
     defaults = load_space(engine.name)
     rows = []

@@ -4,10 +4,10 @@ Cross-flag rules of one engine live in its adapter (`autotune/engines/<engine>.p
 depends on the machine and the model lives here: FP8 only where the GPU has it (natively on
 cc >= 8.9, weight-only through Marlin W8A16 on Ampere), tensor parallelism dividing the GPU count
 and the model's attention heads, CUDA graphs only on CUDA; drafters the checkpoints can run (MTP
-only for a model with MTP layers; with a draft checkpoint, only the family its architecture is);
-AWQ/GPTQ only for a checkpoint in that format. The engine adapter (`adapter`) says which config key
-is its tensor-parallel size (`tp_key`), which names the drafter (`draft_keys[0]`) and what family a
-drafter value is (`adapter.knobs(config).drafter`).
+only for a model with MTP layers; with a draft checkpoint, only what the engine's own code runs it as:
+`adapter.draft_problem`); AWQ/GPTQ only for a checkpoint in that format. The engine adapter (`adapter`)
+says which config key is its tensor-parallel size (`tp_key`), which names the drafter (`draft_keys[0]`)
+and what family a drafter value is (`adapter.knobs(config).drafter`).
 """
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ from dataclasses import dataclass, replace
 
 from autotune.space.space import Space
 
-# The draft checkpoint each drafter family runs (predict.drafts.draft_kind names them); the other
-# families need none (mtp: the target's own layers; lookup and the embedded self-drafters).
-DRAFT_CHECKPOINT = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "draft": "standalone"}
 # Quantization values that read a checkpoint already in that format (never converted at load time).
 CHECKPOINT_FORMATS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
 
@@ -33,26 +30,24 @@ class ModelShape:
     mtp_layers: int = 0  # next-token layers in the target checkpoint (NEXTN / mtp draft with them)
     checkpoint_quant: str | None = None  # the checkpoint's quant_method; None: 16-bit or a preset
     preset: bool = False  # a preset stands for every published variant (AWQ, GPTQ ...) of the model
-    draft_kind: str | None = None  # the --draft-model's kind (eagle | eagle3 | dflash | standalone), if read
+    draft: object = None  # the --draft-model as read (predict.drafts.DraftCheckpoint), if one is given
 
     @classmethod
-    def of(cls, model, draft_kind: str | None = None) -> ModelShape:
-        """The shape of a predict.ModelSpec (and of the draft checkpoint's kind, when known)."""
+    def of(cls, model, draft=None) -> ModelShape:
+        """The shape of a predict.ModelSpec (and the draft checkpoint, a predict.drafts.DraftCheckpoint)."""
         return cls(model.layers, model.heads, model.kv_heads, model.head_dim, int(model.params),
                    getattr(model, "mtp_layers", 0), getattr(model, "checkpoint_quant", None),
-                   str(getattr(model, "source", "")).startswith("https://"), draft_kind)
+                   str(getattr(model, "source", "")).startswith("https://"), draft)
 
 
-def drafter_problem(family: str | None, shape: ModelShape | None) -> str | None:
-    """Why a drafter family cannot run with this target and draft checkpoint (None: it can)."""
-    if not family or shape is None:
+def drafter_problem(config: dict, shape: ModelShape | None, *, adapter, on_gpu: bool = True) -> str | None:
+    """Why the drafter `config` names cannot run with this target and draft checkpoint (None: it can)."""
+    key = adapter.draft_keys[0]
+    if shape is None or not key or config.get(key) in (None, "none"):
         return None
-    if family == "mtp" and not shape.mtp_layers:
+    if adapter.knobs(config, on_gpu).drafter == "mtp" and not shape.mtp_layers:
         return "mtp drafts with the target's own MTP layers; this model has none"
-    need = DRAFT_CHECKPOINT.get(family)
-    if need and shape.draft_kind and need != shape.draft_kind:
-        return f"{family} needs a{'n' if need[0] in 'ae' else ''} {need} draft checkpoint; --draft-model is {shape.draft_kind}"
-    return None
+    return adapter.draft_problem(config, shape.draft) if shape.draft is not None else None
 
 
 def quantization_problem(value, shape: ModelShape | None) -> str | None:
@@ -111,10 +106,9 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None, *, adapter) 
     problem = quantization_problem(config.get("quantization"), shape)
     if problem:
         out.append(problem)
-    if adapter.draft_keys[0] and config.get(adapter.draft_keys[0]) not in (None, "none"):
-        problem = drafter_problem(adapter.knobs(config, bool(gpus)).drafter, shape)
-        if problem:
-            out.append(problem)
+    problem = drafter_problem(config, shape, adapter=adapter, on_gpu=bool(gpus))
+    if problem:
+        out.append(problem)
     if config.get("quantization") == "gguf" and gpus:
         out.append("quantization gguf (the embedded engine's GGUF block kernels) runs on the CPU; this machine's engine runs on its GPU")
     if config.get("cuda_graph_batch_sizes") and not gpus:
@@ -150,8 +144,8 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
                                         and not quantization_problem(c, shape)])
     key = adapter.draft_keys[0]
     if key in params and params[key].type == "categorical":
-        narrow(key, choices=[c for c in params[key].choices if c in (None, "none") or not drafter_problem(
-            adapter.knobs({key: c}, bool(_gpu_count(hw))).drafter, shape)])
+        narrow(key, choices=[c for c in params[key].choices if not drafter_problem(
+            {key: c}, shape, adapter=adapter, on_gpu=bool(_gpu_count(hw)))])
     if "cuda_graph_batch_sizes" in params and not _gpu_count(hw):
         narrow("cuda_graph_batch_sizes", choices=[[]], fixed=[])
     if "compile" in params and not _gpu_count(hw):

@@ -132,7 +132,7 @@ def build(opts: RunOptions) -> Plan:
     space = user_space(adapter, opts.space, opts.sets, opts.model)
     hardware = probe(opts.gpu)
     model = predict.load_model(opts.model)  # None: the bundled SmolLM2
-    shape = constraints.ModelShape.of(model, predict.draft_kind(opts.draft_model) if opts.draft_model else None)
+    shape = constraints.ModelShape.of(model, predict.read_draft(opts.draft_model) if opts.draft_model else None)
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model, adapter=adapter)
     space = fit_space(space, hardware, opts.concurrency)  # device knobs, native units, load-matched sizes
