@@ -1,6 +1,6 @@
 """Hardware profiles: one YAML file per kind in `hardware_profiles/`; a user adds a kind by adding a file."""
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -11,6 +11,10 @@ PROFILES_DIR = PROJECT_ROOT / "hardware_profiles"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 FP8_MODES = ("native", "marlin_w8a16", "none")
 FORM_FACTORS = ("sxm", "nvl", "pcie", "cpu")
+# How GPUs of one box talk: a profile whose NVLink is a bridge (via: bridge) assumes the bridge is fitted;
+# `--gpu NAME:pcie` plans for the same cards without it (PCIe-only workstations are common), `NAME:nvlink`
+# insists on NVLink.
+INTERCONNECTS = ("nvlink", "pcie")
 
 
 @dataclass
@@ -82,9 +86,22 @@ def load_profiles(extra_dir: str | Path | None = None) -> dict[str, Profile]:
     return {p.stem.lower(): _load(p) for d in dirs for p in sorted(Path(d).glob("*.yaml"))}
 
 
+def with_interconnect(profile: Profile, link: str) -> Profile:
+    """`profile` on a box whose GPUs talk over `link` only: "pcie" drops NVLink (bridged cards without
+    their bridge), "nvlink" keeps the profile as it is where it has NVLink."""
+    if link not in INTERCONNECTS:
+        raise ValueError(f"interconnect {link!r} is not one of {', '.join(INTERCONNECTS)}")
+    if not profile.interconnect.get(link):
+        raise ValueError(f"hardware profile {profile.name} has no {link} interconnect")
+    kept = profile.interconnect if link == "nvlink" else {**profile.interconnect, "nvlink": None}
+    return replace(profile, name=f"{profile.name}:{link}", interconnect=kept)
+
+
 def get_profile(name: str, profiles: dict[str, Profile] | None = None) -> Profile:
+    """A profile by name; NAME:pcie / NAME:nvlink is that profile over that interconnect only."""
     profiles = profiles if profiles is not None else load_profiles()
-    key = name.strip().lower()
+    key, _, link = name.strip().lower().partition(":")
     if key not in profiles:
-        raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(profiles))}")
-    return profiles[key]
+        raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(profiles))} "
+                         f"(each as NAME:{' or NAME:'.join(INTERCONNECTS)} for one interconnect)")
+    return with_interconnect(profiles[key], link) if link else profiles[key]

@@ -1,0 +1,81 @@
+"""Memory per engine, quantized checkpoints named per row, and profiles per interconnect (issue 31, points 4-5).
+
+Pure Python: the engines' own numbers these are checked against live are asserted where the live tests already
+launch them (tests/test_llamacpp.py, tests/test_vllm.py)."""
+import json
+
+import pytest
+
+from autotune.engines import get_adapter
+from autotune.hardware import get_profile
+from autotune.predict import load_model, predict_memory, predict_speed
+from autotune.predict.checkpoints import checkpoint_for
+from autotune.predict.report import estimate_report
+
+SGLANG, VLLM, LLAMACPP = get_adapter("sglang"), get_adapter("vllm"), get_adapter("llamacpp")
+
+
+def estimate(engine) -> dict:
+    return json.loads(estimate_report(model="qwen3-8b", gpu="rtx-3090", num_gpus=1, engine=engine, draft_model=None,
+                                      alpha=None, concurrency=1, context_len=None, top=30, as_json=True))
+
+
+def test_quantized_rows_name_their_checkpoint_and_flag():
+    for engine in (SGLANG, VLLM):
+        rows = estimate(engine=engine)["configs"]
+        by_format = {}
+        for row in rows:
+            by_format.setdefault(str(row["config"].get("quantization")), row)
+        awq, gptq = by_format["awq_marlin"], by_format["gptq_marlin"]
+        # Qwen publishes an AWQ checkpoint of Qwen3-8B, no GPTQ one: that row's checkpoint is the user's
+        assert "--model-path Qwen/Qwen3-8B-AWQ" in awq["launch"] or "--model Qwen/Qwen3-8B-AWQ" in awq["launch"]
+        assert "--quantization awq_marlin" in awq["launch"] and not awq["user_supplies_checkpoint"]
+        assert "qwen3-8b-GPTQ" in gptq["launch"] and "--quantization gptq_marlin" in gptq["launch"]
+        assert gptq["user_supplies_checkpoint"] and gptq["checkpoint"] == "a GPTQ checkpoint of qwen3-8b you supply"
+        for row in rows:  # 16-bit and FP8 (quantized at load time) rows load the 16-bit repository
+            if row["config"].get("quantization") in (None, "none", "fp8", "w8a16_fp8"):
+                assert "Qwen/Qwen3-8B " in row["launch"] and row["checkpoint"] is None
+    table = estimate_report(model="qwen3-8b", gpu="rtx-3090", num_gpus=1, engine=VLLM, draft_model=None, alpha=None,
+                            concurrency=1, context_len=None, top=30, as_json=False)
+    assert "you supply" in table and "load a GPTQ checkpoint of qwen3-8b you supply" in table
+    assert "load AWQ checkpoint Qwen/Qwen3-8B-AWQ (https://huggingface.co/Qwen/Qwen3-8B-AWQ)" in table
+
+
+def test_gguf_rows_of_a_preset_name_the_published_file():
+    k = LLAMACPP.knobs({"gguf_type": "Q4_K_M"}, on_gpu=True)
+    need = checkpoint_for("qwen3-8b", k, "qwen3-8b")
+    assert need.describe() == "the Q4_K_M file of Qwen/Qwen3-8B-GGUF (https://huggingface.co/Qwen/Qwen3-8B-GGUF)"
+    assert need.load_as is None  # llama.cpp's adapter names the file itself: qwen3-8b-Q4_K_M.gguf
+    unknown = checkpoint_for("qwen3.5-27b", k, "qwen3.5-27b")
+    assert unknown.user_supplied and unknown.describe() == "a GGUF Q4_K_M file of qwen3.5-27b you supply"
+    # the bundled model (a file that exists) needs nothing more
+    assert checkpoint_for("smollm2-135m", k, LLAMACPP.default_model()) is None
+
+
+def test_vllm_memory_utilization_default_per_version():
+    # vllm/config/cache.py in both pinned versions: gpu_memory_utilization = Field(default=0.92, ...)
+    # (the captured parsers, autotune/engines/schemas/vllm-0.32.0.json and vllm-0.33.0.json)
+    assert VLLM.default_memory_fraction(1, 81559) == 0.92
+    llama, h100 = load_model("llama-3.1-8b"), get_profile("h100-sxm5")
+    unset = predict_memory(llama, {"tensor_parallel_size": 1}, h100, 1, engine=VLLM)
+    pinned = predict_memory(llama, {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.92}, h100, 1, engine=VLLM)
+    assert unset.kv_tokens == pinned.kv_tokens and unset.budget_gb == pytest.approx(0.92 * 80 * 2**30 / 1e9)
+    # max_num_batched_tokens by GPU memory (engine/arg_utils.py, get_batch_defaults): 2048 under 70 GiB
+    assert [VLLM.default_batch_tokens(mib, 1) for mib in (24576, 81559, 196608)] == [2048, 8192, 16384]
+
+
+def test_tp4_over_pcie_is_slower_than_over_an_nvlink_bridge():
+    bridged, pcie = get_profile("rtx-a6000"), get_profile("rtx-a6000:pcie")
+    assert bridged.interconnect["nvlink"]["via"] == "bridge" and pcie.interconnect["nvlink"] is None
+    assert pcie.interconnect["pcie"] == bridged.interconnect["pcie"] and pcie.name == "rtx-a6000:pcie"
+    qwen = load_model("qwen3-32b")
+    for engine, config in ((VLLM, {"tensor_parallel_size": 4}), (SGLANG, {"tp_size": 4})):
+        over = {p.name: predict_speed(qwen, config, p, 4, engine=engine).single_tok_s for p in (bridged, pcie)}
+        assert over["rtx-a6000:pcie"] < 0.95 * over["rtx-a6000"], over
+        one = {p.name: predict_speed(qwen, {**config, engine.tp_key: 1}, p, 1, engine=engine).single_tok_s
+               for p in (bridged, pcie)}
+        assert one["rtx-a6000"] == one["rtx-a6000:pcie"]  # one GPU: no all-reduce, nothing differs
+    with pytest.raises(ValueError, match="l40s has no nvlink"):
+        get_profile("l40s:nvlink")
+    with pytest.raises(ValueError, match="interconnect 'infiniband' is not one of nvlink, pcie"):
+        get_profile("rtx-a6000:infiniband")
