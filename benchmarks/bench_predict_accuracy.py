@@ -123,6 +123,7 @@ def public() -> dict:
         per_step = 1.0 if not knobs.drafter else case.get("accept_length")
         measured_step_ms = round(per_step / case["measured"] * 1e3, 2) if per_step and concurrency == 1 else None
         rows.append({**case, "kind": "speculative" if knobs.drafter else "plain", "concurrency": concurrency,
+                     "settings": "assumed" if case.get("assumed") else "stated",
                      "predicted": round(prior, 1), "predicted_accept_known": round(known, 1),
                      "error_pct": round((prior / case["measured"] - 1) * 100, 1),
                      "error_pct_accept_known": round((known / case["measured"] - 1) * 100, 1),
@@ -138,9 +139,10 @@ def _accuracy(rows: list[dict], key: str) -> dict:
 
 
 def public_summary(rows: list[dict]) -> dict:
-    """Shares within 25 % and median |error| overall and by kind, engine, GPU and source; Spearman per source."""
+    """Shares within 25 % and median |error| overall and by kind, engine, GPU, whether every setting was stated,
+    and source; Spearman per source."""
     splits = {}
-    for field in ("kind", "engine", "gpu", "source_id"):
+    for field in ("kind", "engine", "gpu", "settings", "source_id"):
         for value in sorted({r[field] for r in rows}):
             group = [r for r in rows if r[field] == value]
             splits[f"{field}={value}"] = {key: _accuracy(group, key) for key in ("error_pct", "error_pct_accept_known")}
