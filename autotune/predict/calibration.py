@@ -10,8 +10,9 @@ Fit: least squares on log time over the six Coefficients (bytes, FLOPs, per-step
 floor, per-kernel eager launch, per-speculative-step host work), with a weak pull (ridge in log space) towards the priors so that a
 handful of trials cannot send an unconstrained term anywhere; a coarse log grid refined three times
 (numpy only). The study refits after its first measured trials (autotune/study/loop.py), so a small
-model's kernel-bound steps replace the byte-bound priors before the predicted seeds are chosen. Alpha per drafter family: the median of the alphas that
-reproduce each trial's measured accept length.
+model's kernel-bound steps replace the byte-bound priors before the predicted seeds are chosen. Acceptance per
+drafter family: the family's per-position prior (acceptance.py) keeps its decay, and its first-position rate
+becomes the median of those that reproduce each trial's measured accept length at the trial's own shape.
 """
 from __future__ import annotations
 
@@ -22,18 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from autotune.predict.acceptance import drafter_acceptance, expected_tokens, scaled_to
 from autotune.predict.knobs import Engine
 from autotune.predict.models import ModelSpec
-from autotune.predict.speed import (
-    ALPHA_PRIORS,
-    Coefficients,
-    Pass,
-    alpha_from_accept_length,
-    decode_step,
-    default_coefficients,
-    expected_tokens,
-    prefill_passes,
-)
+from autotune.predict.speed import Coefficients, Pass, decode_step, default_coefficients, prefill_passes
 
 NAMES = ("mem_scale", "compute_scale", "step_overhead_s", "kernel_s", "launch_s", "spec_step_s")
 GRID_POINTS = 7  # per coefficient and refinement: 7^6 = 117649 candidates
@@ -56,7 +49,8 @@ def trial_passes(trial: dict, model: ModelSpec, profile, engine: Engine, alphas:
     if trial.get("accept_length") and k.drafter:
         per_step = float(trial["accept_length"])
     else:
-        per_step = expected_tokens(alphas.get(k.drafter) or ALPHA_PRIORS.get(k.drafter, 0.0), k)
+        per_step = expected_tokens(drafter_acceptance(k.drafter, model.mtp_layers, alphas.get(k.drafter)), k) \
+            if k.drafter else 1.0
     conc = int(trial.get("concurrency") or 1)
     batch = max(1, min(conc, k.max_running or conc))
     if trial.get("decode_tok_s"):
@@ -102,7 +96,7 @@ def _predicted_seconds(theta: np.ndarray, owner: np.ndarray, cols: np.ndarray, n
 @dataclass
 class Calibration:
     coefficients: Coefficients
-    alphas: dict[str, float] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict)  # measured first-position acceptance per drafter family
     trials: int = 0
     error_before: float | None = None  # median |predicted/measured - 1| of the priors on the trials, in %
     error_after: float | None = None
@@ -119,7 +113,8 @@ class Calibration:
         for t in trials:
             k = engine.knobs(t["config"], on_gpu)
             if k.drafter and t.get("accept_length"):
-                by_drafter.setdefault(k.drafter, []).append(alpha_from_accept_length(float(t["accept_length"]), k))
+                shape = drafter_acceptance(k.drafter, model.mtp_layers)
+                by_drafter.setdefault(k.drafter, []).append(scaled_to(float(t["accept_length"]), k, shape).alpha_1)
         alphas = {d: float(np.median(v)) for d, v in by_drafter.items()}
         prior = default_coefficients(profile)
         items = [trial_passes(t, model, profile, engine, alphas, draft) for t in trials]

@@ -12,8 +12,8 @@ pass. Even under a CUDA graph a kernel takes a few microseconds however little i
 small model is bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the
 largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
 layer of tokens x hidden activations (ring: 2(n-1)/n of the message over the link, plus a latency). A
-step yields E = (1 - a^(k+1)) / (1 - a) tokens per sequence for k drafted tokens accepted each with
-probability a. The coefficients start at the priors below (kernel_s and launch_s from the hardware
+step yields E tokens per sequence: its drafted tokens accepted with a per-position rate by drafter family
+(autotune/predict/acceptance.py). The coefficients start at the priors below (kernel_s and launch_s from the hardware
 profile's kernel_us) and are fitted per machine by Calibration (autotune/predict/calibration.py).
 """
 from __future__ import annotations
@@ -22,6 +22,15 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from autotune.predict.acceptance import (
+    UNPUBLISHED,
+    Acceptance,
+    drafter_acceptance,
+    expected_tokens,
+    prior,
+    priors,
+    scaled_to,
+)
 from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.memory import (
     EAGLE3_DRAFT_VOCAB,
@@ -31,19 +40,9 @@ from autotune.predict.memory import (
 )
 from autotune.predict.models import ModelSpec
 
-# Per-token acceptance priors (greedy, chain drafts), used until a study has measured accept lengths:
-ALPHA_PRIORS = {
-    "eagle": 0.75,  # EAGLE (arXiv:2401.15077): per-position acceptance 0-a ~0.74-0.79, MT-bench, 7B chat models
-    "eagle3": 0.80,  # EAGLE-3 (arXiv:2503.01840): higher and flatter n-a than EAGLE, ~0.8
-    "mtp": 0.85,  # DeepSeek-V3 report (arXiv:2412.19437, 5.4.3): 2nd-token acceptance 85-90%
-    "draft": 0.70,  # Leviathan et al. (arXiv:2211.17192), Table 3: a = 0.5-0.9 over model pairs
-    # DFlash (https://z-lab.ai/projects/dflash): "up to 6.2x lossless acceleration" on Qwen3-8B with
-    # 16-token blocks, so >= 6 tokens a step; a = 0.85 over a block of 16 gives E = 6.0
-    "dflash": 0.85,
-    "lookup": 0.50,  # n-gram lookup: workload-bound (high on code edits, low on chat); a guess
-    "early_exit": 0.50,  # a guess; the embedded engine's measured accept lengths replace it
-    "quantized_self": 0.90,  # an int8 copy of the target agrees with it almost always; a guess
-}
+# First-position acceptance per drafter family, fitted with a per-position decay to published acceptance
+# lengths (autotune/predict/acceptance.py, autotune/data/acceptance.yaml); measured accept lengths replace it.
+ALPHA_PRIORS = {family: prior(family).alpha_1 for family in (*priors(), *UNPUBLISHED)}
 
 
 # Kernels of one decoder layer on the plain bf16 path: 2 norms (residual add fused), the q/k/v and o
@@ -110,27 +109,9 @@ class SpeedEstimate:
     bound: str  # memory | compute | kernels (the per-kernel floor), of the target's pass at `batch`
 
 
-def expected_tokens(alpha: float, k: Knobs) -> float:
-    """Tokens per sequence per step. A chain of k drafts: (1 - a^(k+1)) / (1 - a). A tree (SGLang topk > 1)
-    is read as a chain of `steps` levels where each level offers m = min(topk, (tokens-1)/steps)
-    candidates; a heuristic: the miss probability of a level falls as (1 - a) / sqrt(m) (sibling
-    candidates are correlated, so extra ones help less and less). Calibration refits a."""
-    if not k.drafter:
-        return 1.0
-    depth, a = k.verify_tokens - 1, alpha
-    if k.topk > 1:
-        depth = k.draft_steps
-        a = 1 - (1 - alpha) / math.sqrt(min(k.topk, max(1.0, (k.verify_tokens - 1) / k.draft_steps)))
-    return float(depth + 1) if a >= 1 else (1 - a ** (depth + 1)) / (1 - a)
-
-
 def alpha_from_accept_length(length: float, k: Knobs) -> float:
-    """Invert expected_tokens by bisection (it grows with alpha)."""
-    lo, hi = 0.0, 1.0 - 1e-9
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens(mid, k) < length else (lo, mid)
-    return (lo + hi) / 2
+    """The flat per-token rate whose E (acceptance.expected_tokens) is a measured accept length at config `k`."""
+    return scaled_to(length, k, Acceptance.flat(0.0)).alpha_1
 
 
 # -- hardware numbers -------------------------------------------------------------------------------
@@ -234,13 +215,16 @@ def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *,
                   draft: ModelSpec | None = None, calibration=None, max_sequences: int | None = None) -> SpeedEstimate:
     """Decode tok/s of `config` (of the engine adapter `engine`) for one stream and at `concurrency`
     streams of `context_len` cached tokens.
-    `alpha` overrides the per-token acceptance (else the calibration's, else ALPHA_PRIORS);
+    `alpha` overrides the acceptance with a flat per-token rate (else the family's per-position prior, its
+    first rate the calibration's where measured: acceptance.drafter_acceptance);
     `max_sequences` caps the batch (the KV pool's sequences, from predict_memory)."""
     k = engine.knobs(config, bool(profile is not None and profile.is_gpu))
     coef = calibration.coefficients if calibration is not None else default_coefficients(profile)
-    if alpha is None and k.drafter:
-        alpha = (calibration.alphas.get(k.drafter) if calibration is not None else None) or ALPHA_PRIORS[k.drafter]
-    tokens = expected_tokens(alpha or 0.0, k)
+    acc = None
+    if k.drafter:
+        measured = calibration.alphas.get(k.drafter) if calibration is not None else None
+        acc = Acceptance.flat(alpha) if alpha is not None else drafter_acceptance(k.drafter, model.mtp_layers, measured)
+    tokens = expected_tokens(acc, k) if acc is not None else 1.0
     batch = max(1, min(concurrency, k.max_running or concurrency, max_sequences or concurrency))
 
     def step(b: int) -> tuple[float, list[Pass]]:
@@ -255,7 +239,7 @@ def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *,
     bound = max(terms, key=terms.get)
     return SpeedEstimate(single_tok_s=tokens / single, concurrent_tok_s=batch * tokens / t, per_stream_tok_s=tokens / t,
                          concurrency=concurrency, batch=batch, tokens_per_step=tokens,
-                         alpha=alpha if k.drafter else None, step_ms=t * 1e3, bound=bound)
+                         alpha=acc.alpha_1 if acc is not None else None, step_ms=t * 1e3, bound=bound)
 
 
 def prefill_passes(model: ModelSpec, k: Knobs, profile, prompt_tokens: int) -> list[Pass]:
