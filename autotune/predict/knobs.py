@@ -18,6 +18,8 @@ INT4_G128_BYTES = 0.5 + 2.5 / 128
 WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "auto": 2,
                 "fp8": 1, "w8a16_fp8": 1, "int8": 1, "w8a8_int8": 1, "awq": INT4_G128_BYTES, "gptq": INT4_G128_BYTES,
                 "int4": INT4_G128_BYTES, "awq_marlin": INT4_G128_BYTES, "gptq_marlin": INT4_G128_BYTES,
+                # OCP Microscaling (MX) v1.0: 4-bit E2M1 elements with one 8-bit E8M0 scale per block of 32
+                "mxfp4": 0.5 + 1 / 32,
                 # the embedded engine running the bundled Q4_1 GGUF's blocks (20 bytes per 32 weights)
                 "gguf": gguf_types.bytes_per_weight()["Q4_1"],
                 # a GGUF file's weight format by llama-quantize's name, lower-cased (q4_k_m, bf16: the same 2 B)
@@ -65,6 +67,9 @@ class Knobs:
     # the token embedding stays in host memory when the layers run on a GPU (llama.cpp's input layer), and a
     # pass reads one row of it per token, not the table: off the GPU's memory and off the bytes per token
     embedding_on_host: bool = False
+    # GPUs a MoE layer's experts are spread over, whole experts each (SGLang --ep-size; vLLM
+    # --enable-expert-parallel: every GPU of the TP group); 1: every expert sliced over the TP GPUs
+    ep: int = 1
 
 
 class Engine(Protocol):
@@ -101,7 +106,8 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                topk: int = 1, verify_tokens: int = 1, cuda_graphs: bool, graph_max_bs: int | None,
                mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
                cuda_context: bool = True, quantized_head: bool = False, block_size: int | None = None,
-               extra_layer_kernels: int = 0, gguf_type: str | None = None, embedding_on_host: bool = False) -> Knobs:
+               extra_layer_kernels: int = 0, gguf_type: str | None = None, embedding_on_host: bool = False,
+               ep: int = 1) -> Knobs:
     """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
     engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers, threads."""
     dtype = str(c.get("dtype", "bfloat16" if on_gpu else "float32"))
@@ -114,4 +120,4 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                  max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
                  c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
                  cuda_context, quantized_head, c.get("threads"), block_size, extra_layer_kernels, gguf_type,
-                 embedding_on_host)
+                 embedding_on_host, ep)

@@ -80,8 +80,10 @@ class MemoryEstimate:
 
 
 # -- pieces -----------------------------------------------------------------------------------------
-def weights_bytes(model: ModelSpec, k: Knobs, on_gpu: bool = True) -> float:
-    """Per GPU (`on_gpu` False: in a CPU machine's RAM). Linear layers are sharded by TP at the quantized
+def weights_bytes(model: ModelSpec, k: Knobs, on_gpu: bool = True, tokens: int | None = None) -> float:
+    """Per GPU (`on_gpu` False: in a CPU machine's RAM); `tokens`: of a MoE model's routed experts only those
+    a pass over that many tokens reads (None: all of them, what the GPU holds). Linear layers are sharded by
+    TP (experts too: sliced by TP, or whole experts spread over EP, the same bytes per GPU) at the quantized
     width; the embedding and the output head are sharded by vocabulary (VocabParallelEmbedding /
     ParallelLMHead). An embedding the engine keeps on the host (Knobs.embedding_on_host) takes none of a
     GPU's memory, but the head it needs there does: output.weight, or a tied embedding loaded a second time
@@ -89,26 +91,31 @@ def weights_bytes(model: ModelSpec, k: Knobs, on_gpu: bool = True) -> float:
     output.weight -> token_embd with TENSOR_DUPLICATED; src/llama-model-loader.cpp:1166-1167 places it as
     LLM_TENSOR_OUTPUT, and 1371-1375 makes it a tensor of its own in the output layer's GPU buffer, or finds
     the embedding's own in the CPU buffer of a CPU run)."""
-    linear, embedding, head = _weight_parts(model, k)
+    linear, embedding, head = _weight_parts(model, k, tokens)
     if k.embedding_on_host and on_gpu:
         return (linear + (head or embedding)) / k.tp
     return (linear + embedding + head) / k.tp
 
 
-def weights_read_bytes(model: ModelSpec, k: Knobs) -> float:
-    """Weight bytes one forward pass reads per GPU: what a GPU holds (weights_bytes), on any device, since
-    of an embedding on the host a pass reads one row per token (llama.cpp's GET_ROWS on the CPU), nothing
-    beside the head's table (which it reads whole, tied or not)."""
-    return weights_bytes(model, k, on_gpu=True)
+def weights_read_bytes(model: ModelSpec, k: Knobs, tokens: int = 1) -> float:
+    """Weight bytes one forward pass over `tokens` tokens reads per GPU: what a GPU holds (weights_bytes), on
+    any device, since of an embedding on the host a pass reads one row per token (llama.cpp's GET_ROWS on the
+    CPU), nothing beside the head's table (which it reads whole, tied or not); of a MoE model's routed
+    experts only those the tokens are routed to (ModelSpec.routed_read_params; the slowest GPU's under EP)."""
+    return weights_bytes(model, k, on_gpu=True, tokens=tokens)
 
 
-def _weight_parts(model: ModelSpec, k: Knobs) -> tuple[float, float, float]:
-    """Bytes of the linear layers, the token embedding and the output head where it is a tensor of its own
+def _weight_parts(model: ModelSpec, k: Knobs, tokens: int | None = None) -> tuple[float, float, float]:
+    """Bytes of the linear layers (of the routed experts those `tokens` touch; None: all), the token
+    embedding and the output head where it is a tensor of its own
     (untied, or the int8 copy of a tied one Knobs.quantized_head keeps; 0 where the head is the embedding).
     Embedding and head stay 16-bit under FP8/int4 (engines leave lm_head unquantized), except in a GGUF file
     (Knobs.gguf_type): there they are at the ggml types the file stores them at (Q6_K heads, ...)."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
-    linear = model.layers * model.layer_params * linear_weight_bytes(model, k)
+    expert_width = linear_weight_bytes(model, k)
+    other_width = dense if k.quantization is None and model.checkpoint_quant in EXPERT_ONLY_FORMATS else expert_width
+    routed = model.routed_params if tokens is None else model.routed_read_params(tokens, k.ep)
+    linear = (model.layers * model.layer_params - model.routed_params) * other_width + routed * expert_width
     table = model.vocab * model.hidden
     if k.gguf_type:
         embedding, head = gguf_types.stored_bytes(model.source, k.gguf_type, model.hidden, model.tied_embeddings)
@@ -118,6 +125,11 @@ def _weight_parts(model: ModelSpec, k: Knobs) -> tuple[float, float, float]:
     if k.quantized_head and k.weight_bytes < dense and model.tied_embeddings:
         own_head = table * k.weight_bytes  # an int8 copy of the tied head
     return linear, table * embedding, own_head
+
+
+# Checkpoint formats that quantize only the routed experts: gpt-oss's MXFP4 keeps attention and router in
+# BF16 (its config.json quantization_config.modules_to_not_convert).
+EXPERT_ONLY_FORMATS = ("mxfp4",)
 
 
 def linear_weight_bytes(model: ModelSpec, k: Knobs) -> float:
@@ -130,7 +142,11 @@ def linear_weight_bytes(model: ModelSpec, k: Knobs) -> float:
 
 def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) -> float:
     """2 (K and V) x layers x KV heads on this GPU x head dim x bytes. KV heads shard over TP; with fewer
-    KV heads than GPUs each GPU keeps one (replicated)."""
+    KV heads than GPUs each GPU keeps one (replicated). MLA caches one latent and rope key per token and
+    layer (kv_lora_rank + qk_rope_dim), whole on every GPU: SGLang's MLATokenToKVPool and vLLM's MLA
+    backends keep it as a single KV head of that width (sglang/srt/mem_cache/memory_pool.py)."""
+    if model.kv_lora_rank:
+        return (layers or model.cache_layers) * model.kv_width * k.kv_bytes
     heads_per_gpu = math.ceil(model.kv_heads / k.tp)
     return 2 * (layers or model.cache_layers) * heads_per_gpu * model.head_dim * k.kv_bytes
 

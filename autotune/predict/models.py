@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,24 @@ class ModelSpec:
     # None: 16-bit weights, or a preset that stands for every published variant).
     checkpoint_quant: str | None = None
     architecture: str = ""
+    # Mixture of experts (0 experts: a dense model). A MoE layer holds `experts` routed experts and
+    # `shared_experts` always-on ones, each a gated MLP (gate, up, down: 3 x hidden x width) of width
+    # `moe_intermediate` (`shared_intermediate` for the shared ones; 0: the same), plus a router
+    # (hidden x experts); a token runs `experts_per_token` routed experts. `dense_layers` of the `layers`
+    # keep a dense MLP of width `intermediate` (DeepSeek-V3 first_k_dense_replace, Qwen3-MoE mlp_only_layers).
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; arXiv:2405.04434 section 2.1): K and V come from
+    # one latent of kv_lora_rank per token, cached with the decoupled rope key (qk_rope_dim); q through a
+    # q_lora_rank latent (0: a full projection). head_dim is qk_nope + qk_rope, v_head_dim the value's.
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
 
     @property
     def cache_layers(self) -> int:
@@ -69,14 +88,101 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> float:
-        """Parameters of one decoder layer (the linear layers; norms are negligible)."""
+        """Parameters of one decoder layer, on average over dense and MoE layers (every expert counted;
+        the linear layers; norms are negligible)."""
         return (self.params - self.embedding_params) / self.layers
 
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def expert_params(self) -> float:
+        """One routed expert: a gated MLP (gate and up hidden -> width, down width -> hidden)."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def routed_params(self) -> float:
+        """Every routed expert of every MoE layer: what a token reads only experts_per_token of."""
+        return self.moe_layers * self.experts * self.expert_params
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token runs through (the compute per token): the routed experts it is sent to."""
+        return self.params - self.moe_layers * (self.experts - self.experts_per_token) * self.expert_params
+
+    def routed_read_params(self, tokens: int, ep: int = 1) -> float:
+        """Routed-expert parameters a pass over `tokens` tokens reads, times `ep`: the experts their
+        routings touch, E (1 - (1 - k/E)^tokens) per MoE layer for uniform routing (each expert touched
+        with that probability). With expert parallelism (ep > 1) each of ep GPU groups holds E/ep whole
+        experts and the pass waits for the group that touched the most: the expected maximum of ep such
+        counts, times ep so that dividing by the GPU count gives the slowest GPU's share (ep 1: the mean)."""
+        if not self.experts:
+            return 0.0
+        touched = 1 - (1 - self.experts_per_token / self.experts) ** max(1, tokens)
+        per_group = self.experts // max(1, ep)
+        return self.moe_layers * ep * _expected_max_binomial(per_group, touched, ep) * self.expert_params
+
+    def attention_params(self) -> float:
+        """One layer's attention projections: q, k, v, o (GQA), or MLA's latent projections."""
+        if not self.kv_lora_rank:
+            return 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        q_width = self.heads * self.head_dim
+        q = self.hidden * self.q_lora_rank + self.q_lora_rank * q_width if self.q_lora_rank else self.hidden * q_width
+        kv_down = self.hidden * (self.kv_lora_rank + self.qk_rope_dim)
+        kv_up = self.kv_lora_rank * self.heads * (self.head_dim - self.qk_rope_dim + self.v_head_dim)
+        return q + kv_down + kv_up + self.heads * self.v_head_dim * self.hidden
+
+    def mlp_params(self, moe: bool) -> float:
+        """One layer's MLP: a dense gated MLP, or the experts (routed and shared) and the router."""
+        if not moe:
+            return 3 * self.hidden * self.intermediate
+        shared = self.shared_experts * 3 * self.hidden * (self.shared_intermediate or self.moe_intermediate)
+        return self.experts * self.expert_params + shared + self.hidden * self.experts
+
     def computed_params(self) -> float:
-        """Parameters implied by the shapes (attention q/k/v/o + gated MLP + embeddings + norms)."""
-        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp + 2 * self.hidden) + self.embedding_params + self.hidden
+        """Parameters implied by the shapes (attention + gated MLP or experts + embeddings + norms), the
+        MTP layers left out (the engines load them only as the drafter: mtp_params)."""
+        per_layer = self.attention_params() + 2 * self.hidden
+        mlps = self.moe_layers * self.mlp_params(True) + (self.layers - self.moe_layers) * self.mlp_params(False)
+        return self.layers * per_layer + mlps + self.embedding_params + self.hidden
+
+    @property
+    def mtp_params(self) -> float:
+        """The MTP modules beside the decoder: each one decoder layer (a MoE layer in a MoE model) plus the
+        projection of [embedding; hidden] (2h -> h) and its norms; embedding and head shared with the model
+        (DeepSeek-V3 README_WEIGHTS.md: "11.5B unique parameters" for its one module)."""
+        layer = self.attention_params() + self.mlp_params(bool(self.experts)) + 2 * self.hidden
+        return self.mtp_layers * (layer + 2 * self.hidden**2 + 3 * self.hidden)
+
+    @property
+    def kv_width(self) -> int:
+        """Cached elements per token and layer across all KV heads: K and V per head, or MLA's latent and
+        rope key (one copy for every head: DeepSeek-V2 Table 1, (d_c + d_h^R) per layer)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.qk_rope_dim
+        return 2 * self.kv_heads * self.head_dim
+
+    @property
+    def attention_width(self) -> float:
+        """Per head summed over heads, half the multiply-adds per cached token of q.k plus p.v: heads x
+        head_dim; with MLA's absorbed decode (scores over latent + rope, values in the latent) heads x
+        (2 kv_lora_rank + qk_rope) / 2."""
+        if self.kv_lora_rank:
+            return self.heads * (2 * self.kv_lora_rank + self.qk_rope_dim) / 2
+        return float(self.heads * self.head_dim)
+
+
+@functools.cache
+def _expected_max_binomial(n: int, p: float, groups: int) -> float:
+    """E[max of `groups` independent Binomial(n, p)]: sum over m of P(max >= m) = 1 - F(m - 1)^groups."""
+    if groups <= 1:
+        return n * p
+    cdf, total = 0.0, 0.0
+    for m in range(1, n + 1):
+        cdf += math.comb(n, m - 1) * p ** (m - 1) * (1 - p) ** (n - m + 1)
+        total += 1 - min(1.0, cdf) ** groups
+    return total
 
 
 @functools.cache
@@ -131,12 +237,43 @@ def _from_hf_config(file: Path) -> ModelSpec:
                 "linear_v_dim": int(c.get("linear_value_head_dim") or 0),
                 "linear_conv_kernel": int(c.get("linear_conv_kernel_dim") or 4),
                 "state_bytes": 2 if c.get("mamba_ssm_dtype") in ("bfloat16", "float16") else 4,
-                "checkpoint_quant": _quant_method(top), "architecture": (top.get("architectures") or [""])[0]}
+                "checkpoint_quant": _quant_method(top), "architecture": (top.get("architectures") or [""])[0],
+                **_moe_fields(c, layers), **_mla_fields(c)}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{file}: not a usable model config ({type(e).__name__}: {e})") from None
     model = ModelSpec(**spec)
-    total = _safetensors_params(file.parent)
+    # the index counts bytes: parameters only for 16-bit weights (an FP8 or MXFP4 checkpoint is not)
+    total = None if model.checkpoint_quant else _safetensors_params(file.parent)
     return ModelSpec(**{**spec, "params": total or model.computed_params()})
+
+
+def _moe_fields(c: dict, layers: int) -> dict:
+    """Experts and which layers are MoE, in each family's keys. A layer is dense when it is one of
+    `mlp_only_layers` or not every `decoder_sparse_step`-th (transformers modeling_qwen3_moe.py,
+    Qwen3MoeDecoderLayer), or below `first_k_dense_replace` or not every `moe_layer_freq`-th (DeepSeek-V3's
+    modeling_deepseek.py, DeepseekV3DecoderLayer; GLM-4.5's Glm4MoeDecoderLayer)."""
+    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    step, freq = int(c.get("decoder_sparse_step") or 1), int(c.get("moe_layer_freq") or 1)
+    first, dense_only = int(c.get("first_k_dense_replace") or 0), set(c.get("mlp_only_layers") or [])
+    moe = sum(i not in dense_only and (i + 1) % step == 0 and i >= first and i % freq == 0 for i in range(layers))
+    shared_width = int(c.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE / Qwen3-Next: one shared expert
+    return {"experts": experts,
+            "experts_per_token": int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0),  # gpt-oss: both
+            "shared_experts": int(c.get("n_shared_experts") or (1 if shared_width else 0)),
+            # Mixtral and gpt-oss have no moe_intermediate_size: their intermediate_size is the expert's
+            "moe_intermediate": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+            "shared_intermediate": shared_width, "dense_layers": layers - moe}
+
+
+def _mla_fields(c: dict) -> dict:
+    """Multi-head latent attention's shapes (DeepseekV3Config's keys; head_dim = qk_nope + qk_rope)."""
+    if not c.get("kv_lora_rank"):
+        return {}
+    rope = int(c["qk_rope_head_dim"])
+    return {"kv_lora_rank": int(c["kv_lora_rank"]), "qk_rope_dim": rope, "q_lora_rank": int(c.get("q_lora_rank") or 0),
+            "v_head_dim": int(c["v_head_dim"]), "head_dim": int(c["qk_nope_head_dim"]) + rope}
 
 
 def _attention_layers(c: dict, layers: int) -> int | None:
@@ -175,12 +312,24 @@ def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
         heads, hidden = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.embedding_length"])
         names = {t.name for t in reader.tensors}
         vocab = meta.get(f"{arch}.vocab_size") or next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+        layers = int(meta[f"{arch}.block_count"])
+        # MoE and MLA keys as llama.cpp's convert_hf_to_gguf.py writes them (gguf-py constants.py, Keys.LLM)
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
+        expert_width = int(meta.get(f"{arch}.expert_feed_forward_length") or 0)
+        kv_lora = int(meta.get(f"{arch}.attention.kv_lora_rank") or 0)
         return ModelSpec(
-            name=file.stem, layers=int(meta[f"{arch}.block_count"]), hidden=hidden, heads=heads,
+            name=file.stem, layers=layers, hidden=hidden, heads=heads,
             kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            intermediate=int(meta[f"{arch}.feed_forward_length"]), vocab=int(vocab),
+            intermediate=int(meta.get(f"{arch}.feed_forward_length") or expert_width), vocab=int(vocab),
             params=float(sum(int(t.n_elements) for t in reader.tensors)),
-            tied_embeddings="output.weight" not in names, source=str(file))
+            tied_embeddings="output.weight" not in names, source=str(file),
+            experts=experts, experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0),
+            shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0), moe_intermediate=expert_width,
+            shared_intermediate=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            dense_layers=int(meta.get(f"{arch}.leading_dense_block_count") or 0) if experts else 0,
+            kv_lora_rank=kv_lora, qk_rope_dim=int(meta.get(f"{arch}.rope.dimension_count") or 0) if kv_lora else 0,
+            q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank") or 0),
+            v_head_dim=int(meta.get(f"{arch}.attention.value_length") or 0) if kv_lora else 0)
     except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueErrors/struct errors on junk
         raise ValueError(f"{file}: not a usable GGUF file ({type(e).__name__}: {e})") from None

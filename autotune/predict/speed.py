@@ -156,9 +156,10 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
 
 
 def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
-    heads = model.heads * model.head_dim * model.cache_layers / model.layers / k.tp
-    weights = weights_read_bytes(model, k) + seqs * model.state_bytes_per_sequence(k.tp)  # recurrent states read once
-    return make_pass(weights, model.params / k.tp, model.layers, kv_bytes_per_token(model, k),
+    """A MoE model computes with its active parameters per token and reads the experts its tokens touch."""
+    heads = model.attention_width * model.cache_layers / model.layers / k.tp
+    weights = weights_read_bytes(model, k, tokens) + seqs * model.state_bytes_per_sequence(k.tp)  # states read once
+    return make_pass(weights, model.active_params / k.tp, model.layers, kv_bytes_per_token(model, k),
                      heads, seqs, tokens, context, model, k, profile, eager)
 
 
