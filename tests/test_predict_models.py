@@ -12,7 +12,7 @@ from autotune.hardware import get_profile
 from autotune.predict import load_model, predict_memory, predict_speed, presets
 from autotune.predict.memory import kv_bytes_per_token, weights_bytes, weights_read_bytes
 from autotune.predict.models import _expected_max_binomial
-from autotune.predict.speed import target_pass
+from autotune.predict.speed import KERNELS_PER_LAYER, MOE_EXTRA_KERNELS, target_pass
 
 GIB = 2**30
 SGLANG, VLLM = get_adapter("sglang"), get_adapter("vllm")
@@ -120,6 +120,8 @@ def test_moe_decode_reads_the_experts_its_tokens_touch():
     assert moe_pass.mem_s == pytest.approx(one / (H100.memory_bandwidth_gbps * 1e9))
     assert dense_pass.mem_s > 9 * moe_pass.mem_s
     assert moe_pass.compute_s == pytest.approx(2 * qwen.active_params / (H100.peak_tflops["bf16"] * 1e12))
+    # router, top-k, align, two expert GEMMs, activation, sum: 4 kernels a layer beyond a dense MLP's 3
+    assert moe_pass.kernels - dense_pass.kernels == 48 * (KERNELS_PER_LAYER + MOE_EXTRA_KERNELS) - 64 * KERNELS_PER_LAYER
     speed = predict_speed(qwen, {"tp_size": 1}, H100, 1, engine=SGLANG, concurrency=64)
     assert speed.single_tok_s > speed.per_stream_tok_s  # 64 streams read 15x the expert bytes of one
 

@@ -141,9 +141,17 @@ def default_coefficients(profile) -> Coefficients:
 
 
 # -- passes -----------------------------------------------------------------------------------------
+# A MoE layer's MLP launches the router GEMM, top-k, moe_align_block_size, the fused gate/up expert GEMM, the
+# activation, the fused down GEMM and moe_sum_reduce (sglang/srt/layers/moe/fused_moe_triton/fused_moe.py,
+# fused_experts_impl; vLLM's fused_moe.py alike): 7 kernels where a dense gated MLP launches 3.
+MOE_EXTRA_KERNELS = 4
+
+
 def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: float, attn_width: float,
-              seqs: int, tokens: int, context: float, model: ModelSpec, k: Knobs, profile, eager: bool) -> Pass:
-    """`tokens` new tokens spread over `seqs` sequences of `context` cached tokens; weights/params per GPU."""
+              seqs: int, tokens: int, context: float, model: ModelSpec, k: Knobs, profile, eager: bool,
+              moe_layers: int = 0) -> Pass:
+    """`tokens` new tokens spread over `seqs` sequences of `context` cached tokens; weights/params per GPU;
+    `moe_layers` of the `layers` run experts (MOE_EXTRA_KERNELS more each)."""
     bw, peak, link, latency = _hardware(profile, k)
     mem = weight_bytes + seqs * context * kv_per_token
     flops = 2 * params * tokens + 4 * layers * attn_width * context * tokens
@@ -151,7 +159,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
-    kernels = layers * (KERNELS_PER_LAYER + k.extra_layer_kernels) + HEAD_KERNELS
+    kernels = layers * (KERNELS_PER_LAYER + k.extra_layer_kernels) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
     return Pass(mem / bw, flops / peak, comm, kernels, eager)
 
 
@@ -160,7 +168,7 @@ def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, con
     heads = model.attention_width * model.cache_layers / model.layers / k.tp
     weights = weights_read_bytes(model, k, tokens) + seqs * model.state_bytes_per_sequence(k.tp)  # states read once
     return make_pass(weights, model.active_params / k.tp, model.layers, kv_bytes_per_token(model, k),
-                     heads, seqs, tokens, context, model, k, profile, eager)
+                     heads, seqs, tokens, context, model, k, profile, eager, model.moe_layers)
 
 
 def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float, eager: bool,
