@@ -37,7 +37,15 @@ from scipy.stats import spearmanr
 from autotune import PROJECT_ROOT
 from autotune.engines import get_adapter
 from autotune.hardware import get_profile
-from autotune.predict import Calibration, calibration, load_model, predict_speed, predict_trial, presets
+from autotune.predict import (
+    Calibration,
+    calibration,
+    load_model,
+    predict_speed,
+    predict_trial,
+    presets,
+    published,
+)
 from autotune.predict.speed import alpha_from_accept_length
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
@@ -103,6 +111,8 @@ def public() -> dict:
     """Every published row predicted with the priors; rows with a published accept length also with alpha
     inverted from it (`predicted_accept_known`; otherwise the same as `predicted`)."""
     rows, skipped = [], []
+    # sources the acceptance priors were fitted to (autotune/data/acceptance.yaml): their rows are not held out
+    fitted = {row.source for row in published()}
     for case in MEASURED["public"]:
         engine = get_adapter(case["engine"])
         config = {"dtype": "bfloat16", **case["config"]} if case["engine"] == "embedded" else case["config"]
@@ -124,6 +134,7 @@ def public() -> dict:
         measured_step_ms = round(per_step / case["measured"] * 1e3, 2) if per_step and concurrency == 1 else None
         rows.append({**case, "kind": "speculative" if knobs.drafter else "plain", "concurrency": concurrency,
                      "settings": "assumed" if case.get("assumed") else "stated",
+                     "held_out": "no" if case["source"].split()[0] in fitted else "yes",
                      "predicted": round(prior, 1), "predicted_accept_known": round(known, 1),
                      "error_pct": round((prior / case["measured"] - 1) * 100, 1),
                      "error_pct_accept_known": round((known / case["measured"] - 1) * 100, 1),
@@ -140,9 +151,9 @@ def _accuracy(rows: list[dict], key: str) -> dict:
 
 def public_summary(rows: list[dict]) -> dict:
     """Shares within 25 % and median |error| overall and by kind, engine, GPU, whether every setting was stated,
-    and source; Spearman per source."""
+    whether the acceptance priors were fitted to the row's source, and source; Spearman per source."""
     splits = {}
-    for field in ("kind", "engine", "gpu", "settings", "source_id"):
+    for field in ("kind", "engine", "gpu", "settings", "held_out", "source_id"):
         for value in sorted({r[field] for r in rows}):
             group = [r for r in rows if r[field] == value]
             splits[f"{field}={value}"] = {key: _accuracy(group, key) for key in ("error_pct", "error_pct_accept_known")}
