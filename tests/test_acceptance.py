@@ -52,7 +52,7 @@ def test_published_settings_are_reproduced():
     # (EAGLE-3 on Qwen3-8B, a weaker drafter than the others, is 14% below the family's prior.)
     agreeing = [r for r in published() if r.family in ("eagle", "draft") or "Qwen/Qwen3-8B +" not in r.model and
                 r.family == "eagle3" or "DeepSeek-V3 (1 MTP" in r.model or "Qwen3.6-27B" in r.model or "mgoin" in r.model]
-    assert len(agreeing) >= 11
+    assert len(agreeing) >= 10
     for r in agreeing:
         assert predicted_tau(r) == pytest.approx(r.tau, rel=0.12), r
     for family in ("dflash", "lookup", "mtp", "eagle3"):
@@ -74,15 +74,15 @@ def test_a_reused_mtp_layer_decays_and_more_layers_keep_their_rate():
 
 def test_tree_siblings_help_less_and_less_and_never_past_the_candidates():
     acc, s = prior("eagle3"), sibling_exponent()
-    assert 0 < s < 1  # fitted to the published trees: each extra sibling helps less than the one before
+    assert 0 < s < 1  # fitted to the published tree: each extra sibling helps less than the one before
     e = {topk: tokens_per_step(acc, 5, topk, 64, s) for topk in (1, 2, 4, 8)}
     assert e[1] < e[2] < e[4] < e[8] <= 6
     level = {m: tokens_per_step(acc, 1, m, m + 1, s) - 1 for m in (1, 2, 4, 8)}  # one level's acceptance
     assert level[2] - level[1] > level[4] - level[2] > level[8] - level[4] > 0  # each doubling gains less
     # The verified tokens bound the tree: 16 tokens over 5 levels leave 3 candidates a level whatever topk says.
     assert tokens_per_step(acc, 5, 8, 16, s) == pytest.approx(tokens_per_step(acc, 5, 3, 16, s))
-    # The most extreme shape credits no more than the published 64-token tree at depth 8 (5.88 on SGLang).
-    assert tokens_per_step(acc, 8, 4, 32, s) < 5.88 * 1.1
+    # The EAGLE authors' own 60-token tree (6.13, the best case published) bounds what a smaller tree gets.
+    assert tokens_per_step(acc, 8, 4, 32, s) < 6.13
 
 
 def test_extreme_shapes_no_longer_win_by_a_wide_margin():
@@ -94,12 +94,12 @@ def test_extreme_shapes_no_longer_win_by_a_wide_margin():
     flat = speed(qwen, rtx, 4, extreme, alpha=0.85).single_tok_s / speed(qwen, rtx, 4, usual, alpha=0.85).single_tok_s
     now = speed(qwen, rtx, 4, extreme).single_tok_s / speed(qwen, rtx, 4, usual).single_tok_s
     assert flat > 1.6 and now < 1.35
-    # EAGLE-3 on Llama-3.1-8B (H100): the published trees do accept about twice the chain's tokens (5.88 at
-    # 64 tokens, depth 8, against 2.60 at three drafts), so the tree keeps an edge, no larger than that ratio.
+    # EAGLE-3 on Llama-3.1-8B (H100): the published tree does accept over twice the chain's tokens (6.13 at 60
+    # tokens against 2.60 at three drafts), so the tree keeps an edge, smaller than that ratio.
     llama = load_model("llama-3.1-8b")
     chain, tree = speed(llama, H100, 1, sglang("EAGLE3", 3, 1, 4)), speed(llama, H100, 1, sglang("EAGLE3", 8, 4, 32))
     assert chain.tokens_per_step == pytest.approx(2.60, rel=0.05)
-    assert 1 < tree.single_tok_s / chain.single_tok_s < tree.tokens_per_step / chain.tokens_per_step < 5.88 / 2.60
+    assert 1 < tree.single_tok_s / chain.single_tok_s < tree.tokens_per_step / chain.tokens_per_step < 6.13 / 2.60
 
 
 def test_measured_accept_lengths_replace_the_prior_keeping_its_decay():
