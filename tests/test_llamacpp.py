@@ -35,8 +35,9 @@ from autotune.engines import get_adapter
 from autotune.engines.base import load_schema
 from autotune.engines.launcher import launch
 from autotune.engines.llamacpp import LlamaCppAdapter, binary_version, find_binary
-from autotune.hardware import gather
+from autotune.hardware import gather, get_profile
 from autotune.hardware.probe import llama_server_facts
+from autotune.predict import load_model, predict_memory
 from autotune.space.space import load_space
 from autotune.study import loop, plan, record
 from autotune.study.storage import load_study
@@ -47,6 +48,7 @@ pytestmark = pytest.mark.skipif(not BINARY or binary_version(BINARY) is None,
 ADAPTER = LlamaCppAdapter()
 # One thread and two slots: two servers never fight over this machine's cores more than they must.
 LIGHT = ["threads=1", "parallel=2"]
+SLOTS_LOG = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+)")
 # The code workload's prompts repeat their own text: a short lookup n-gram finds matches within 24 tokens.
 NGRAM = ["spec_type=none,ngram-simple", "spec_ngram_simple_size_n=3"]
 SMALL = {"engine": "llamacpp", "workload": "code", "concurrency": 2, "num_requests": 4, "quick_requests": 1, "min_measure_s": 0,
@@ -86,6 +88,11 @@ def test_live_study_finishes_with_validation_export_and_report(study):
         assert t.user_attrs["argv"][0] == BINARY and t.user_attrs["launch"] == "launched"
         assert t.values[0] == t.user_attrs["metrics"]["output_tok_s"] > 0
         assert "llama_server" in Path(t.user_attrs["log"]).read_text()  # the real server wrote this log
+        # the KV cells the server allocated ("n_slots = 2, n_ctx_slot = 8192": no --ctx-size, so each slot the
+        # model's training context) are the memory model's, exactly
+        slots, per_slot = map(int, SLOTS_LOG.search(Path(t.user_attrs["log"]).read_text()).groups())
+        predicted = predict_memory(load_model(None), t.user_attrs["config"], get_profile("cpu"), engine=ADAPTER)
+        assert predicted.kv_tokens == slots * per_slot
     assert done["problems"] == [], done["problems"]
     winner = done["validation"]["winner"]
     assert winner is not None and winner["trial"] in (0, 1)

@@ -80,8 +80,8 @@ def test_memory_and_speed_of_two_types_by_hand():
     table = 128256 * 4096
     linear = 8.03e9 - 2 * table
     q4 = predict_memory(llama, {"gguf_type": "Q4_0", "parallel": 1}, RTX3090, 1, engine=ADAPTER, context_len=4096)
-    q8 = predict_memory(llama, {"gguf_type": "Q8_0", "parallel": 1, "cache_type_k": "q8_0"}, RTX3090, 1,
-                        engine=ADAPTER, context_len=4096)
+    q8 = predict_memory(llama, {"gguf_type": "Q8_0", "parallel": 1, "cache_type_k": "q8_0", "cache_type_v": "q8_0"},
+                        RTX3090, 1, engine=ADAPTER, context_len=4096)
     # On the GPU: linear layers at the block's bytes (Q4_0 18 B / 32 weights, Q8_0 34 B / 32) and output.weight
     # at the type llama-quant.cpp gives it (Q6_K, 210 B / 256, for Q4_0; Q8_0 stays Q8_0); token_embd stays on
     # the host (src/llama-model.cpp load_tensors: "always keep it on the CPU").

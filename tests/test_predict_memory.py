@@ -79,3 +79,56 @@ def test_tp4_over_pcie_is_slower_than_over_an_nvlink_bridge():
         get_profile("l40s:nvlink")
     with pytest.raises(ValueError, match="interconnect 'infiniband' is not one of nvlink, pcie"):
         get_profile("rtx-a6000:infiniband")
+
+
+# What the engines reported on this machine for the bundled SmolLM2-135M (30 layers, 3 KV heads of 64; n_ctx_train
+# 8192): llama-server build 11434's log at -lv 4 ("llama_kv_cache: size = 360.00 MiB (8192 cells, 30 layers, 2/2
+# seqs), K (f16): 180.00 MiB, V (f16): 180.00 MiB"), and vLLM 0.32.0 CPU's ("CPU KV cache size: 23,296 tokens" with
+# VLLM_CPU_KVCACHE_SPACE=1, benchmarks/results/cpu-2026-12-03b-engines/logs/vllm-plain-float32-eager.log).
+# The live tests assert the same against the servers they launch (tests/test_llamacpp.py, tests/test_vllm.py).
+LLAMA_SERVER_REPORTED = [  # config, KV cells, KV MiB
+    ({"parallel": 2}, 16384, 360.00),  # no --ctx-size: each slot the training context
+    ({"parallel": 3, "ctx_size": 5000}, 5376, 118.12),  # 5000 / 3 padded to 256 cells a slot
+    ({"parallel": 1, "cache_type_k": "q8_0", "cache_type_v": "q4_0", "flash_attn": "on"}, 8192, 73.12),
+    ({"ctx_size": 3000}, 3072, 67.50),  # slots auto: one unified cache
+]
+
+
+@pytest.mark.parametrize("config, cells, mib", LLAMA_SERVER_REPORTED)
+def test_llama_server_kv_cache_as_the_server_allocates_it(config, cells, mib):
+    m = predict_memory(load_model(None), config, get_profile("cpu"), engine=LLAMACPP)
+    assert m.kv_tokens == cells
+    assert m.detail["kv cache"] * 1e9 / 2**20 == pytest.approx(mib, abs=0.01)  # the log's two decimals
+
+
+def test_vllm_cpu_pool_is_the_kv_cache_space_it_is_given():
+    from autotune.engines.hf_model import bundled_hf_dir
+
+    hf = load_model(str(bundled_hf_dir(VLLM.python)))
+    cpu = get_profile("cpu")
+    for dtype, tokens in (("float32", 23_296), ("bfloat16", 46_592)):  # 1 GiB / (30 x 2 x 192 x 4 or 2 B), 16s
+        m = predict_memory(hf, {"dtype": dtype, "cpu_kvcache_space": 1, "enforce_eager": True}, cpu, engine=VLLM)
+        assert m.kv_tokens == tokens and m.fits
+    # a draft model's layers share the pool: half as many tokens
+    both = predict_memory(hf, {"dtype": "float32", "cpu_kvcache_space": 1, "speculative_method": "draft_model",
+                               "num_speculative_tokens": 3}, cpu, engine=VLLM, draft=hf)
+    assert both.kv_tokens == 11_648
+    # on a GPU the same setting is vLLM's kv_cache_memory_bytes, which replaces gpu_memory_utilization
+    h100 = get_profile("h100-sxm5")
+    llama = load_model("llama-3.1-8b")
+    m = predict_memory(llama, {"tensor_parallel_size": 1, "kv_cache_memory_bytes": 8 * 2**30}, h100, 1, engine=VLLM)
+    assert m.kv_tokens == 8 * 2**30 // (16 * 131_072) * 16
+
+
+def test_embedded_slot_cache_is_the_engines_allocation():
+    """The embedded engine, in process: its KV tensors' bytes are the memory model's slot cache."""
+    from autotune.embedded.config import EngineConfig
+    from autotune.embedded.scheduler import Engine
+
+    config = {"drafter": "ngram", "draft_length": 4, "verify_slots": 2, "max_seq_len": 192, "threads": 1}
+    engine = Engine(EngineConfig(**config))
+    cache = engine.target.cache
+    allocated = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    m = predict_memory(load_model(None), config, get_profile("cpu"), engine=get_adapter("embedded"))
+    assert m.detail["kv cache"] * 1e9 == pytest.approx(allocated, rel=1e-9)
+    assert m.kv_tokens == 2 * (192 + 17)  # max_seq_len + the longest draft + 1 a slot

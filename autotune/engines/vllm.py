@@ -24,6 +24,7 @@ The CPU build's `vllm` command is broken (it looks up a distribution named "vllm
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from autotune.engines.base import EngineAdapter, config_args, engine_parser_verdicts, load_schema
@@ -305,7 +306,7 @@ class VLLMAdapter(EngineAdapter):
         steps = 1 if drafter == "dflash" else tokens
         sizes = c.get("cudagraph_capture_sizes")
         graph_max = max(sizes) if sizes else c.get("max_cudagraph_capture_size")
-        return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
+        k = make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
                           verify_tokens=tokens + 1, cuda_graphs=not c.get("enforce_eager", False),
                           graph_max_bs=graph_max or self.graph_max_bs_default,
                           mem_fraction=c.get("gpu_memory_utilization"), max_running=c.get("max_num_seqs"),
@@ -314,6 +315,17 @@ class VLLMAdapter(EngineAdapter):
                           # --enable-expert-parallel: EP size = TP size x DP size, whole experts per GPU
                           # (https://docs.vllm.ai/en/latest/serving/expert_parallel_deployment/); no DP here
                           ep=self.tp_size(c) if c.get("enable_expert_parallel") else 1)
+        return replace(k, kv_cache_bytes=self.kv_cache_bytes(c, on_gpu))
+
+    @staticmethod
+    def kv_cache_bytes(c: dict, on_gpu: bool) -> float | None:
+        """A KV cache size the config sets outright: --kv-cache-memory-bytes (bytes), or on the CPU backend
+        VLLM_CPU_KVCACHE_SPACE in GiB (vllm 0.32.0 platforms/cpu.py: kv_cache_memory_bytes = space x GiB_bytes;
+        v1/worker/cpu_worker.py, determine_available_memory: "Explicitly set ... GiB for KV cache")."""
+        if not on_gpu and c.get("cpu_kvcache_space") is not None:
+            return float(c["cpu_kvcache_space"]) * 2**30
+        explicit = c.get("kv_cache_memory_bytes")
+        return float(explicit) if isinstance(explicit, (int, float)) else None
 
     def default_memory_fraction(self, tp, gpu_mib=None, config=None):
         """gpu_memory_utilization's default in the parser of this adapter's version (the captured schema): 0.92 in

@@ -70,6 +70,12 @@ class Knobs:
     # GPUs a MoE layer's experts are spread over, whole experts each (SGLang --ep-size; vLLM
     # --enable-expert-parallel: every GPU of the TP group); 1: every expert sliced over the TP GPUs
     ep: int = 1
+    # a KV cache of this many bytes the config sets outright (vLLM kv_cache_memory_bytes; its CPU backend's
+    # VLLM_CPU_KVCACHE_SPACE GiB), in place of what the memory fraction leaves
+    kv_cache_bytes: float | None = None
+    # tokens of KV each slot is allocated ("slots" engines; None: the context it must hold; 0: the model's
+    # training context, llama-server's without --ctx-size)
+    slot_tokens: int | None = None
 
 
 class Engine(Protocol):

@@ -186,6 +186,14 @@ def workspace_bytes(model: ModelSpec, k: Knobs) -> float:
     return tokens * per_token * act + logits + graphs + context
 
 
+def slot_tokens(model: ModelSpec, k: Knobs, context_len: int) -> int:
+    """Tokens of KV one slot of a "slots" engine is allocated: what the config sets (Knobs.slot_tokens), the
+    model's training context where the engine takes that (slot_tokens 0) and the model says, else `context_len`."""
+    if k.slot_tokens == 0:
+        return model.max_context or context_len
+    return k.slot_tokens or context_len
+
+
 def gpu_memory_gb(profile) -> float:
     """A profile's memory in GB. Spec sheets say "80GB" for 80 GiB (the driver reports 81559 MiB on an
     H100, 143771 MiB on an H200; profiles match on memory_gib), so the number is read as GiB."""
@@ -227,9 +235,9 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
         problems.append(f"tp {k.tp} needs {k.tp} GPUs, {num_gpus} given")
     if engine.memory_pool == "slots":
         budget = total * (fraction if on_gpu else 1.0)
-        slots = k.max_running or 4
-        detail["kv cache"] = slots * (context_len * kv_tok + state) / GB
-        kv_tokens = slots * context_len if sum(detail.values()) <= budget else 0
+        slots, per_slot = k.max_running or 4, slot_tokens(model, k, context_len)
+        detail["kv cache"] = slots * (per_slot * kv_tok + state) / GB
+        kv_tokens = slots * per_slot if sum(detail.values()) <= budget else 0
     else:
         if engine.memory_pool == "static_fraction":
             before_load = (total - (CUDA_CONTEXT_GB if k.cuda_context else 0.0)) * GB
@@ -240,6 +248,11 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
             kv_tokens, sequences, state_gb = _sglang_pool(pool, kv_tok, state, k)
         elif engine.memory_pool == "utilization":
             pool = fraction * total * GB - w - dw - ws
+            if k.kv_cache_bytes:  # set outright: the fraction no longer applies; it all must fit the memory
+                pool, fraction = k.kv_cache_bytes, 1.0
+                if w + dw + ws + pool > total * GB:
+                    problems.append(f"weights, workspace and the {pool / GB:.2f} GB KV cache it sets need "
+                                    f"{(w + dw + ws + pool) / GB:.2f} GB")
             kv_tokens, sequences, state_gb = _vllm_pool(pool, kv_tok, state, k, model, context_len)
         else:
             raise ValueError(f"the {engine.name} adapter's memory_pool {engine.memory_pool!r} is not one of "
@@ -253,7 +266,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
         elif kv_tokens < context_len or sequences == 0:
             problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
     if engine.memory_pool == "slots" and sum(detail.values()) > budget:
-        problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {context_len}-token slot cache "
+        problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {per_slot}-token slot cache "
                         f"of {detail['kv cache']:.2f} GB")
     parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")
     if k.embedding_on_host and on_gpu:

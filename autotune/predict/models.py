@@ -27,6 +27,9 @@ class ModelSpec:
     tied_embeddings: bool
     kv_layers: int | None = None  # layers holding a per-token KV cache (None: all)
     source: str = ""
+    # tokens the checkpoint was trained for (config.json max_position_embeddings, GGUF <arch>.context_length):
+    # what llama-server allocates a slot without --ctx-size (None: not read; presets leave it)
+    max_context: int | None = None
     # Extra next-token layers the checkpoint carries (DeepSeek-V3 `num_nextn_predict_layers`, Qwen3.5 /
     # Qwen3-Next `mtp_num_hidden_layers`): what SGLang's NEXTN and vLLM's `mtp` draft with.
     mtp_layers: int = 0
@@ -230,6 +233,7 @@ def _from_hf_config(file: Path) -> ModelSpec:
                 "head_dim": int(c.get("head_dim") or hidden // heads), "intermediate": int(c["intermediate_size"]),
                 "vocab": int(c["vocab_size"]), "params": 0.0, "tied_embeddings": bool(c.get("tie_word_embeddings", False)),
                 "kv_layers": kv_layers or None, "source": str(file),
+                "max_context": int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
                 "mtp_layers": int(c.get("num_nextn_predict_layers") or c.get("mtp_num_hidden_layers") or 0),
                 "linear_k_heads": int(c.get("linear_num_key_heads") or 0),
                 "linear_v_heads": int(c.get("linear_num_value_heads") or 0),
@@ -324,6 +328,7 @@ def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
             intermediate=int(meta.get(f"{arch}.feed_forward_length") or expert_width), vocab=int(vocab),
             params=float(sum(int(t.n_elements) for t in reader.tensors)),
             tied_embeddings="output.weight" not in names, source=str(file),
+            max_context=int(meta[f"{arch}.context_length"]) if meta.get(f"{arch}.context_length") else None,
             experts=experts, experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0),
             shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0), moe_intermediate=expert_width,
             shared_intermediate=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
