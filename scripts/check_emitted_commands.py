@@ -47,9 +47,11 @@ MTP_TARGET = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepsee
 FORMATS = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
            "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}
 HEAD = {**LLAMA, "num_hidden_layers": 1}
-# EAGLE-1 as its authors released it (LlamaForCausalLM + fc over 2 x hidden: the name vLLM accepts);
-# EAGLE-3 and DFlash heads by their architecture names.
+# EAGLE-1 as its authors released it (LlamaForCausalLM + fc over 2 x hidden: the name vLLM accepts) and as
+# SGLang names it (LlamaForCausalLMEagle: what SGLang loads, vLLM refuses); EAGLE-3 and DFlash heads by their
+# architecture names.
 DRAFTS = {"eagle": HEAD,
+          "eagle-sglang": {**HEAD, "architectures": ["LlamaForCausalLMEagle"]},
           "eagle3": {**HEAD, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000},
           "dflash": {**HEAD, "num_hidden_layers": 5, "architectures": ["DFlashDraftModel"], "block_size": 16,
                      "dflash_config": {"target_layer_ids": [1, 8, 15, 22, 29], "mask_token_id": 128002}},
@@ -60,7 +62,7 @@ DRAFTS = {"eagle": HEAD,
 def emit(out: Path) -> None:
     from autotune.engines import get_adapter
     from autotune.hardware import get_profile, planned
-    from autotune.predict import draft_kind, load_model
+    from autotune.predict import load_model, read_draft
     from autotune.predict.rank import candidate_configs
     from autotune.space import load_space
     from autotune.space.constraints import CHECKPOINT_FORMATS, ModelShape, hardware_violations
@@ -74,7 +76,8 @@ def emit(out: Path) -> None:
         (root / name / "config.json").write_text(json.dumps(config))
     fc = {"fc.weight": {"dtype": "BF16", "shape": [4096, 8192], "data_offsets": [0, 0]}}  # header only: no weights read
     header = json.dumps(fc).encode()
-    (root / "eagle" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    for name in ("eagle", "eagle-sglang"):
+        (root / name / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
 
     def target_for(engine, config) -> Path:
         """The local target a configuration needs: MTP layers for mtp/NEXTN, the 4-bit format it reads."""
@@ -91,7 +94,7 @@ def emit(out: Path) -> None:
                 for model in map(load_model, MODELS):
                     for draft in (None, *DRAFTS):
                         path = str(root / draft) if draft else None
-                        shape = ModelShape.of(model, draft_kind(path) if path else None)
+                        shape = ModelShape.of(model, read_draft(path) if path else None)
                         for config in candidates:
                             key = (tuple(config.get(k) for k in COVER), draft)
                             if key in covered or engine.check(config, hw, has_draft_model=bool(draft)) or \
