@@ -17,7 +17,6 @@ Measured accept lengths replace the prior's alpha_1 and keep its decay (calibrat
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -167,4 +166,4 @@ def prior(family: str, mtp_layers: int = 1) -> Acceptance:
 def drafter_acceptance(family: str, mtp_layers: int = 1, alpha_1: float | None = None) -> Acceptance:
     """The family's prior, its alpha_1 replaced by a measured one (calibration) where given."""
     acc = prior(family, mtp_layers)
-    return replace(acc, alpha_1=alpha_1) if alpha_1 is not None and not math.isnan(alpha_1) else acc
+    return replace(acc, alpha_1=alpha_1) if alpha_1 is not None else acc
