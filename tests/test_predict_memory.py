@@ -44,10 +44,11 @@ def test_quantized_rows_name_their_checkpoint_and_flag():
 def test_gguf_rows_of_a_preset_name_the_published_file():
     k = LLAMACPP.knobs({"gguf_type": "Q4_K_M"}, on_gpu=True)
     need = checkpoint_for("qwen3-8b", k, "qwen3-8b")
-    assert need.describe() == "the Q4_K_M file of Qwen/Qwen3-8B-GGUF (https://huggingface.co/Qwen/Qwen3-8B-GGUF)"
+    assert need.describe() == ("a Q4_K_M GGUF file of qwen3-8b (GGUF files of it: Qwen/Qwen3-8B-GGUF "
+                               "(https://huggingface.co/Qwen/Qwen3-8B-GGUF))")
     assert need.load_as is None  # llama.cpp's adapter names the file itself: qwen3-8b-Q4_K_M.gguf
     unknown = checkpoint_for("qwen3.5-27b", k, "qwen3.5-27b")
-    assert unknown.user_supplied and unknown.describe() == "a GGUF Q4_K_M file of qwen3.5-27b you supply"
+    assert unknown.user_supplied and unknown.describe() == "a Q4_K_M GGUF file of qwen3.5-27b (you supply)"
     # the bundled model (a file that exists) needs nothing more
     assert checkpoint_for("smollm2-135m", k, LLAMACPP.default_model()) is None
 

@@ -42,10 +42,12 @@ class Checkpoint:
         return self.repo or f"{self.model}-{self.format.upper()}"
 
     def describe(self) -> str:
-        what = f"the {self.gguf_type} file" if self.gguf_type else f"{self.format.upper()} checkpoint"
+        if self.gguf_type:  # a repo publishes some of the types; another is llama-quantize's output of one
+            where = f"GGUF files of it: {self.repo} ({HUB}{self.repo})" if self.repo else "you supply"
+            return f"a {self.gguf_type} GGUF file of {self.model} ({where})"
         if self.repo:
-            return f"{what} {'of ' if self.gguf_type else ''}{self.repo} ({HUB}{self.repo})"
-        return f"{'a' if not self.gguf_type else 'a GGUF'} {what.removeprefix('the ')} of {self.model} you supply"
+            return f"{self.format.upper()} checkpoint {self.repo} ({HUB}{self.repo})"
+        return f"a {self.format.upper()} checkpoint of {self.model} you supply"
 
 
 @functools.cache
