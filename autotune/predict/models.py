@@ -123,7 +123,7 @@ class ModelSpec:
         if not self.experts:
             return 0.0
         touched = 1 - (1 - self.experts_per_token / self.experts) ** max(1, tokens)
-        per_group = self.experts // max(1, ep)
+        per_group = -(-self.experts // max(1, ep))  # a GPU group holds at most this many experts
         return self.moe_layers * ep * _expected_max_binomial(per_group, touched, ep) * self.expert_params
 
     def attention_params(self) -> float:
