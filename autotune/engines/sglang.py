@@ -84,8 +84,9 @@ class SGLangAdapter(EngineAdapter):
         if config.get("quantization") == "w8a16_fp8":
             config["quantization"], env["SGLANG_FORCE_FP8_MARLIN"] = "fp8", "1"
         # awq_marlin / gptq_marlin stay as given: the flag SGLang itself resolves an AWQ/GPTQ checkpoint to where
-        # Marlin runs (configs/model_config.py, _verify_quantization: override_quantization_method returns
-        # awq_marlin for user_quant None, "marlin" or "awq_marlin"), so the launch line says what it runs
+        # Marlin runs (layers/quantization/awq.py, AWQMarlinConfig.override_quantization_method: awq_marlin for
+        # user_quant None, "marlin" or "awq_marlin", applied by configs/model_config.py _verify_quantization;
+        # GPTQMarlinConfig likewise), so the launch line says what it runs
         if draft_model and config.get("speculative_algorithm") in EAGLE_FAMILY + ("DFLASH",):
             config.setdefault("speculative_draft_model_path", draft_model)
         elif model and config.get("speculative_algorithm") == "NEXTN":
