@@ -5,7 +5,7 @@ import pytest
 
 from autotune.engines import get_adapter
 from autotune.hardware import get_profile
-from autotune.predict import Calibration, load_model, predict_speed
+from autotune.predict import Calibration, load_model, predict_speed, rank_configs
 from autotune.predict.acceptance import (
     Acceptance,
     drafter_acceptance,
@@ -16,6 +16,7 @@ from autotune.predict.acceptance import (
     tokens_per_step,
 )
 from autotune.predict.speed import alpha_from_accept_length
+from autotune.space import load_space
 
 SGLANG, VLLM = get_adapter("sglang"), get_adapter("vllm")
 H100 = get_profile("h100-sxm5")
@@ -100,6 +101,15 @@ def test_extreme_shapes_no_longer_win_by_a_wide_margin():
     chain, tree = speed(llama, H100, 1, sglang("EAGLE3", 3, 1, 4)), speed(llama, H100, 1, sglang("EAGLE3", 8, 4, 32))
     assert chain.tokens_per_step == pytest.approx(2.60, rel=0.05)
     assert 1 < tree.single_tok_s / chain.single_tok_s < tree.tokens_per_step / chain.tokens_per_step < 6.13 / 2.60
+
+
+def test_the_ranking_does_not_put_the_deepest_mtp_shape_on_top():
+    # The case ranked: a dense 27B with one MTP layer on four RTX 3090s, SGLang's space. Its best NEXTN
+    # row drafts fewer levels than the space's deepest (a reused layer's later drafts are rarely accepted).
+    space = load_space("sglang")
+    best, _ = rank_configs(space, load_model("qwen3.5-27b"), get_profile("rtx-3090"), 4, top=1, engine=SGLANG)[0]
+    assert best["speculative_algorithm"] == "NEXTN"
+    assert best["speculative_num_steps"] < space.params["speculative_num_steps"].high == 8
 
 
 def test_measured_accept_lengths_replace_the_prior_keeping_its_decay():
