@@ -126,14 +126,15 @@ def _chain_grid(row: Published) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.cache
 def priors() -> dict[str, Acceptance]:
-    """Per family: the (alpha_1, decay) whose chains best reproduce the published chains (relative error in
-    tau, plus the per-position shares where published). Trees do not enter: they fit the sibling exponent."""
+    """Per family: the (alpha_1, decay) whose chains best reproduce the published chains (squared log ratio of
+    tau, so that over- and under-predicting by a factor weigh alike, plus the per-position shares where
+    published). Trees do not enter: they fit the sibling exponent."""
     out = {}
     for family in sorted({r.family for r in published()}):
         loss = DECAY_RIDGE * np.log(DECAY_GRID)[None, :] ** 2
         for row in (r for r in published() if r.family == family and r.topk == 1):
             tau, reach = _chain_grid(row)
-            loss = loss + (tau / row.tau - 1) ** 2
+            loss = loss + np.log(tau / row.tau) ** 2
             if row.per_position:
                 loss = loss + ((reach - np.array(row.per_position)) ** 2).sum(axis=-1)
         i, j = np.unravel_index(np.argmin(loss), loss.shape)
