@@ -334,7 +334,7 @@ def estimate(
     draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head (enables the drafters that need one)"),
     draft_kind: str = typer.Option(None, help="eagle | eagle3 | dflash | standalone: what --draft-model is, where its "
                                    "config.json cannot be read here (a hub id not in the local cache)"),
-    alpha: float = typer.Option(None, help="per-token draft acceptance in (0, 1) (default: a cited prior per drafter)"),
+    alpha: float = typer.Option(None, help="a flat per-token draft acceptance in (0, 1) (default: the drafter family's per-position prior, fitted to published accept lengths: autotune/data/acceptance.yaml)"),
     concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),
     context_len: int = typer.Option(None, help="tokens one sequence must fit (default 4096; embedded: 2048)"),
     top: int = typer.Option(10, help="configurations to show"),
