@@ -73,10 +73,12 @@ def test_each_engine_offers_what_its_code_runs_the_checkpoint_as(tmp_path):
     assert "as eagle3" in VLLM.draft_problem({"speculative_method": "draft_model"}, read_draft(str(d["standalone-named-eagle3"])))
 
 
-def gguf_file(path, arch: str):
-    """A GGUF header of `arch` with one tensor, as convert_hf_to_gguf.py writes (general.file_type F16)."""
+def gguf_file(path, arch: str, file_type: bool = True):
+    """A GGUF header of `arch` with one tensor, as convert_hf_to_gguf.py writes (general.file_type F16), or
+    without a file type, as scripts/distill_draft_model.py writes its draft."""
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if file_type:
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -95,6 +97,8 @@ def test_llamacpp_draft_types_follow_the_draft_gguf(tmp_path):
     for arch, wanted in (("dflash", "draft-dflash"), ("eagle3", "draft-eagle3"), ("llama", "draft-simple")):
         choices = offered(LLAMACPP, gguf_file(tmp_path / f"{arch}.gguf", arch), cpu, "smollm2-135m")
         assert set(choices) & draft_types == {wanted}, arch
+    distilled = gguf_file(tmp_path / "draft.gguf", "llama", file_type=False)
+    assert read_draft(str(distilled)).kind == "standalone"
     # -md loads a GGUF file: an HF directory is no draft for llama-server
     hf = checkpoint(tmp_path / "df-head", {**HEAD, "architectures": ["DFlashDraftModel"]})
     assert not set(offered(LLAMACPP, hf, cpu, "smollm2-135m")) & draft_types

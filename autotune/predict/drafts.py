@@ -35,9 +35,7 @@ def read_draft(name: str, kind: str | None = None) -> DraftCheckpoint:
         raise ValueError(f"--draft-kind {kind}: not one of {', '.join(DRAFT_KINDS)}")
     path = Path(name)
     if path.is_file() and path.suffix == ".gguf":
-        from autotune.predict.gguf_types import read_header
-
-        arch = read_header(path).architecture
+        arch = _gguf_architecture(path)
         # llama.cpp names a draft GGUF's kind by its architecture (src/llama-arch.cpp, build 11434:
         # LLM_ARCH_EAGLE3 "eagle3", LLM_ARCH_DFLASH "dflash"); any other architecture is a model of its own
         found = DraftCheckpoint(name, arch if arch in ("eagle3", "dflash") else "standalone", gguf_architecture=arch,
@@ -56,6 +54,16 @@ def read_draft(name: str, kind: str | None = None) -> DraftCheckpoint:
         raise ValueError(f"--draft-kind {kind}: the config of {name} says it is {found.kind} "
                          f"({', '.join(found.architectures) or found.gguf_architecture})")
     return found
+
+
+def _gguf_architecture(path: Path) -> str:
+    """general.architecture of a GGUF file (a draft need not carry general.file_type, which read_header wants)."""
+    import gguf
+
+    try:
+        return str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueErrors/struct errors on junk
+        raise ValueError(f"{path}: not a usable GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _hub_snapshot(repo_id: str) -> Path | None:
