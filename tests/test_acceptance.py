@@ -80,8 +80,10 @@ def test_tree_siblings_help_less_and_less_and_never_past_the_candidates():
     assert e[1] < e[2] < e[4] < e[8] <= 6
     level = {m: tokens_per_step(acc, 1, m, m + 1, s) - 1 for m in (1, 2, 4, 8)}  # one level's acceptance
     assert level[2] - level[1] > level[4] - level[2] > level[8] - level[4] > 0  # each doubling gains less
-    # The verified tokens bound the tree: 16 tokens over 5 levels leave 3 candidates a level whatever topk says.
+    # The verified tokens bound the tree: 16 tokens over 5 levels leave 3 candidates a level whatever topk says,
+    # and 4 tokens accept at most 3 drafts however many levels were drafted.
     assert tokens_per_step(acc, 5, 8, 16, s) == pytest.approx(tokens_per_step(acc, 5, 3, 16, s))
+    assert tokens_per_step(acc, 5, 4, 4, s) == pytest.approx(tokens_per_step(acc, 3, 1, 4, s))
     # The EAGLE authors' own 60-token tree (6.13, the best case published) bounds what a smaller tree gets.
     assert tokens_per_step(acc, 8, 4, 32, s) < 6.13
 

@@ -79,7 +79,7 @@ class Published:
 def tokens_per_step(acc: Acceptance, steps: int, topk: int, draft_tokens: int, sibling_exponent: float) -> float:
     """E: tokens a step yields. A chain drafts draft_tokens - 1 tokens; a tree `steps` levels of m candidates."""
     if topk > 1:
-        depth = steps
+        depth = min(steps, draft_tokens - 1)  # a path through the verified tree has at most its drafted nodes
         m = min(topk, max(1.0, (draft_tokens - 1) / steps))
         rates = [1 - (1 - acc.rate(i)) * m ** -sibling_exponent for i in range(1, depth + 1)]
     else:
