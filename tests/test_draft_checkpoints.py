@@ -66,6 +66,10 @@ def test_each_engine_offers_what_its_code_runs_the_checkpoint_as(tmp_path):
     assert sglang == {"eagle1-authors": ["none", "NGRAM"], "eagle1-sglang": ["none", "EAGLE", "NGRAM"],
                       "eagle3": ["none", "EAGLE3", "NGRAM"], "dflash": ["none", "NGRAM", "DFLASH"],
                       "standalone": ["none", "STANDALONE", "NGRAM"], "standalone-named-eagle3": ["none", "STANDALONE", "NGRAM"]}
+    # NEXTN drafts with the target's own MTP layers, whatever --draft-model is given beside it
+    argv, _ = SGLANG.command({"speculative_algorithm": "NEXTN"}, model="/m/target", draft_model=str(d["eagle3"]),
+                             host="127.0.0.1", port=1)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == "/m/target"
     # the refusals name the engine's own reason
     # a DFlash config under an EAGLE-3 name: vLLM's own words for it
     assert "['DFlashLlamaForCausalLMEagle3'], which are not supported" in VLLM.draft_problem(

@@ -87,9 +87,9 @@ class SGLangAdapter(EngineAdapter):
         # Marlin runs (layers/quantization/awq.py, AWQMarlinConfig.override_quantization_method: awq_marlin for
         # user_quant None, "marlin" or "awq_marlin", applied by configs/model_config.py _verify_quantization;
         # GPTQMarlinConfig likewise), so the launch line says what it runs
-        if draft_model and config.get("speculative_algorithm") in EAGLE_FAMILY + ("DFLASH",):
+        if draft_model and config.get("speculative_algorithm") in NEEDS_DRAFT_MODEL:
             config.setdefault("speculative_draft_model_path", draft_model)
-        elif model and config.get("speculative_algorithm") == "NEXTN":
+        elif model and config.get("speculative_algorithm") == "NEXTN":  # never the --draft-model (an EAGLE head ...)
             # the draft worker loads the MTP layers from --speculative-draft-model-path, which SGLang fills
             # in by itself only for the DeepSeek-style architectures it lists (speculative_hook.py,
             # _handle_eagle_family; tp_worker._init_model_config): the target's own checkpoint
