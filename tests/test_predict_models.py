@@ -12,7 +12,7 @@ from autotune.hardware import get_profile
 from autotune.predict import load_model, predict_memory, predict_speed, presets
 from autotune.predict.memory import kv_bytes_per_token, weights_bytes, weights_read_bytes
 from autotune.predict.models import _expected_max_binomial
-from autotune.predict.speed import KERNELS_PER_LAYER, MOE_EXTRA_KERNELS, target_pass
+from autotune.predict.speed import KERNELS_PER_LAYER, MOE_EXTRA_KERNELS, draft_passes, target_pass
 
 GIB = 2**30
 SGLANG, VLLM = get_adapter("sglang"), get_adapter("vllm")
@@ -124,6 +124,26 @@ def test_moe_decode_reads_the_experts_its_tokens_touch():
     assert moe_pass.kernels - dense_pass.kernels == 48 * (KERNELS_PER_LAYER + MOE_EXTRA_KERNELS) - 64 * KERNELS_PER_LAYER
     speed = predict_speed(qwen, {"tp_size": 1}, H100, 1, engine=SGLANG, concurrency=64)
     assert speed.single_tok_s > speed.per_stream_tok_s  # 64 streams read 15x the expert bytes of one
+
+
+def test_a_moe_models_mtp_draft_reads_the_experts_its_tokens_touch():
+    """DeepSeek-V3's MTP module is a MoE layer (11.6B parameters, nearly all experts): a batch-1 draft pass reads
+    the 8 routed experts a token goes to, not the module; a wider batch reads more of them. An EAGLE head on a
+    MoE target is a dense layer of the target's width."""
+    ds = load_model("deepseek-v3")
+    k = SGLANG.knobs({"tp_size": 8, "speculative_algorithm": "NEXTN", "speculative_num_steps": 1,
+                      "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2})
+
+    def mem(seqs):
+        return draft_passes(ds, k, H100, seqs=seqs, context=0, eager=False, draft=None)[0].mem_s
+    module_s = (ds.mtp_params / 8 * 2 + ds.vocab * ds.hidden / 8 * 2) / (H100.memory_bandwidth_gbps * 1e9)
+    assert mem(1) < module_s / 4 and mem(1) < mem(8) < mem(64) < module_s
+    qwen = load_model("qwen3-30b-a3b")
+    eagle = SGLANG.knobs({"tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 1,
+                          "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2})
+    dense_layer = qwen.attention_params() + 3 * qwen.hidden * qwen.intermediate
+    [draft, _] = draft_passes(qwen, eagle, H100, seqs=1, context=0, eager=False, draft=None)
+    assert draft.compute_s * H100.peak_tflops["bf16"] * 1e12 / 2 < 1.2 * (dense_layer + 32000 * qwen.hidden)
 
 
 def test_dense_models_unchanged():

@@ -185,8 +185,9 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
     width = model.heads * model.head_dim / k.tp
     if k.drafter in ("eagle", "eagle3", "mtp"):
         head = EAGLE3_DRAFT_VOCAB * model.hidden / k.tp if k.drafter == "eagle3" else head
-        params, layers, kv = one_layer + head, 1, kv_bytes_per_token(model, k, layers=1)
-        wbytes = params * dense
+        read, computed = _draft_layer(model, k.drafter, seqs * k.topk)
+        params, layers, kv = computed / k.tp + head, 1, kv_bytes_per_token(model, k, layers=1)
+        wbytes = (read / k.tp + head) * dense
     elif k.drafter == "early_exit":
         layers = k.early_exit_layers or 8
         params, kv = one_layer * layers + head, kv_bytes_per_token(model, k, layers=layers)
@@ -208,6 +209,22 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
     one = make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.topk, context, model, k, profile, eager)
     extend = 1 if k.drafter in ("eagle", "eagle3", "mtp") else 0
     return [replace(one, steps=0)] * (k.draft_steps + extend)
+
+
+def _draft_layer(model: ModelSpec, drafter: str, tokens: int) -> tuple[float, float]:
+    """(parameters read, parameters computed per token) of an EAGLE head's or MTP module's one layer. On a dense
+    target: a decoder layer. On a MoE target the MTP module is a MoE layer (DeepSeek-V3's "11.5B unique
+    parameters" are mostly experts) that reads only the experts its `tokens` touch; an EAGLE head is a dense
+    layer of the target's width (its dense `intermediate_size`), never the average over every expert."""
+    if not model.experts:
+        return model.layer_params, model.layer_params
+    if drafter != "mtp" or not model.mtp_layers:
+        dense = model.attention_params() + model.mlp_params(False) + 2 * model.hidden
+        return dense, dense
+    module = model.mtp_params / model.mtp_layers
+    touched = model.routed_read_params(tokens) / model.moe_layers
+    return (module - model.experts * model.expert_params + touched,
+            module - (model.experts - model.experts_per_token) * model.expert_params)
 
 
 def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
