@@ -2,6 +2,7 @@
 
 Pure Python: the engines' own numbers these are checked against live are asserted where the live tests already
 launch them (tests/test_llamacpp.py, tests/test_vllm.py)."""
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from autotune.engines import get_adapter
 from autotune.hardware import get_profile
 from autotune.predict import load_model, predict_memory, predict_speed
 from autotune.predict.checkpoints import checkpoint_for
+from autotune.predict.memory import draft_bytes
 from autotune.predict.report import estimate_report
 
 SGLANG, VLLM, LLAMACPP = get_adapter("sglang"), get_adapter("vllm"), get_adapter("llamacpp")
@@ -133,3 +135,19 @@ def test_embedded_slot_cache_is_the_engines_allocation():
     m = predict_memory(load_model(None), config, get_profile("cpu"), engine=get_adapter("embedded"))
     assert m.detail["kv cache"] * 1e9 == pytest.approx(allocated, rel=1e-9)
     assert m.kv_tokens == 2 * (192 + 17)  # max_seq_len + the longest draft + 1 a slot
+
+
+def test_draft_weights_are_counted_for_dflash_and_a_moe_models_mtp_module():
+    """A DFlash drafter holds its own layers (none were counted before); its checkpoint's layer count decides.
+    A MoE model's MTP module is held whole, every expert (DeepSeek-V3 README_WEIGHTS.md: 11.5B parameters)."""
+    qwen = load_model("qwen3-8b")
+    k = SGLANG.knobs({"tp_size": 1, "speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 16})
+    layer = qwen.layer_params * 2
+    assumed, kv, said = draft_bytes(qwen, k, None)
+    assert assumed == pytest.approx(5 * layer) and kv > 0 and "assumed" in said
+    assert draft_bytes(qwen, k, dataclasses.replace(qwen, layers=3, name="dflash-head"))[0] == pytest.approx(3 * layer)
+    ds = load_model("deepseek-v3")
+    nextn = SGLANG.knobs({"tp_size": 8, "speculative_algorithm": "NEXTN", "speculative_num_steps": 1,
+                          "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2})
+    mtp_gb = draft_bytes(ds, nextn, None)[0] * 8 / 1e9
+    assert mtp_gb == pytest.approx(ds.mtp_params * 2 / 1e9) and 11.0 * 2 < mtp_gb < 12.5 * 2

@@ -49,6 +49,8 @@ SGLANG_STATE_SLOTS_PER_REQUEST = 3
 VLLM_BLOCK_ALIGNMENT = 16
 EAGLE3_DRAFT_VOCAB = 32000  # EAGLE-3 heads predict over a reduced vocabulary (their config: draft_vocab_size)
 UNKNOWN_DRAFT_FRACTION = 1 / 16  # a separate draft checkpoint not given: assume 1/16 of the target
+# A DFlash drafter's layers when the draft checkpoint is not given (its config says; a guess).
+DFLASH_ASSUMED_LAYERS = 5
 
 
 @dataclass
@@ -151,18 +153,39 @@ def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) ->
     return 2 * (layers or model.cache_layers) * heads_per_gpu * model.head_dim * k.kv_bytes
 
 
+def draft_layer_params(model: ModelSpec, drafter: str, tokens: int) -> tuple[float, float]:
+    """(parameters read, parameters computed per token) of an EAGLE head's or MTP module's one layer. On a dense
+    target: a decoder layer. On a MoE target the MTP module is a MoE layer (DeepSeek-V3's "11.5B unique
+    parameters" are mostly experts) that reads only the experts its `tokens` touch; an EAGLE head is a dense
+    layer of the target's width (its dense `intermediate_size`), never the average over every expert."""
+    if not model.experts:
+        return model.layer_params, model.layer_params
+    if drafter != "mtp" or not model.mtp_layers:
+        dense = model.attention_params() + model.mlp_params(False) + 2 * model.hidden
+        return dense, dense
+    module = model.mtp_params / model.mtp_layers
+    touched = model.routed_read_params(tokens) / model.moe_layers
+    return (module - model.experts * model.expert_params + touched,
+            module - (model.experts - model.experts_per_token) * model.expert_params)
+
+
 def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None, on_gpu: bool = True) -> tuple[float, float, str]:
     """(weights per GPU, KV bytes per token per GPU, what was assumed) of the drafter."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
-    layer = model.layer_params * dense / k.tp
+    layer = draft_layer_params(model, "eagle", 1)[0] * dense / k.tp  # a dense layer of the target's width
     one_layer_kv = kv_bytes_per_token(model, k, layers=1)
+    if k.drafter == "dflash":  # its own layers over the target's features; embedding and head shared with the target
+        layers = draft.layers if draft is not None else DFLASH_ASSUMED_LAYERS
+        return (layer * layers, one_layer_kv * layers,
+                f"DFlash drafter: {layers} layers" + ("" if draft is not None else " (assumed)"))
     if k.drafter == "eagle":  # one decoder layer + fc(2h -> h); embedding and head shared with the target
         return layer + 2 * model.hidden**2 * dense / k.tp, one_layer_kv, "EAGLE head: 1 layer"
     if k.drafter == "eagle3":  # + fc(3h -> h) and its own reduced-vocab head
         extra = (3 * model.hidden**2 + EAGLE3_DRAFT_VOCAB * model.hidden) * dense / k.tp
         return layer + extra, one_layer_kv, "EAGLE-3 head: 1 layer + 32k-vocab head"
-    if k.drafter == "mtp":
-        return layer + 2 * model.hidden**2 * dense / k.tp, one_layer_kv, "MTP: 1 layer"
+    if k.drafter == "mtp":  # the checkpoint's MTP module, held whole (a MoE model's: every expert)
+        module = model.mtp_params / model.mtp_layers if model.mtp_layers else model.layer_params + 2 * model.hidden**2
+        return module * dense / k.tp, one_layer_kv, "MTP: 1 layer"
     if k.drafter == "quantized_self":  # an int8 copy of every linear layer and the head
         return (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp, 0.0, "int8 copy of the target"
     if k.drafter == "draft":

@@ -33,8 +33,10 @@ from autotune.predict.acceptance import (
 )
 from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.memory import (
+    DFLASH_ASSUMED_LAYERS,
     EAGLE3_DRAFT_VOCAB,
     UNKNOWN_DRAFT_FRACTION,
+    draft_layer_params,
     kv_bytes_per_token,
     weights_read_bytes,
 )
@@ -75,8 +77,6 @@ CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_
                                 launch_s=CPU_LAUNCH_S, spec_step_s=1e-3)
 # All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
 NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
-# A DFlash drafter's layers when the draft checkpoint is not given (its config says; a guess).
-DFLASH_ASSUMED_LAYERS = 5
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
     width = model.heads * model.head_dim / k.tp
     if k.drafter in ("eagle", "eagle3", "mtp"):
         head = EAGLE3_DRAFT_VOCAB * model.hidden / k.tp if k.drafter == "eagle3" else head
-        read, computed = _draft_layer(model, k.drafter, seqs * k.topk)
+        read, computed = draft_layer_params(model, k.drafter, seqs * k.topk)
         params, layers, kv = computed / k.tp + head, 1, kv_bytes_per_token(model, k, layers=1)
         wbytes = (read / k.tp + head) * dense
     elif k.drafter == "early_exit":
@@ -197,7 +197,8 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
         wbytes = (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp
     elif k.drafter == "dflash":  # a few layers over the target's features, the target's head shared
         layers = draft.layers if draft is not None else DFLASH_ASSUMED_LAYERS
-        params, kv = one_layer * layers + head, kv_bytes_per_token(model, k, layers=layers)
+        params = draft_layer_params(model, k.drafter, seqs * k.verify_tokens)[1] * layers / k.tp + head
+        kv = kv_bytes_per_token(model, k, layers=layers)
         wbytes = params * dense
         return [replace(make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.verify_tokens, context, model,
                                   k, profile, eager), steps=0)]
@@ -209,22 +210,6 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
     one = make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.topk, context, model, k, profile, eager)
     extend = 1 if k.drafter in ("eagle", "eagle3", "mtp") else 0
     return [replace(one, steps=0)] * (k.draft_steps + extend)
-
-
-def _draft_layer(model: ModelSpec, drafter: str, tokens: int) -> tuple[float, float]:
-    """(parameters read, parameters computed per token) of an EAGLE head's or MTP module's one layer. On a dense
-    target: a decoder layer. On a MoE target the MTP module is a MoE layer (DeepSeek-V3's "11.5B unique
-    parameters" are mostly experts) that reads only the experts its `tokens` touch; an EAGLE head is a dense
-    layer of the target's width (its dense `intermediate_size`), never the average over every expert."""
-    if not model.experts:
-        return model.layer_params, model.layer_params
-    if drafter != "mtp" or not model.mtp_layers:
-        dense = model.attention_params() + model.mlp_params(False) + 2 * model.hidden
-        return dense, dense
-    module = model.mtp_params / model.mtp_layers
-    touched = model.routed_read_params(tokens) / model.moe_layers
-    return (module - model.experts * model.expert_params + touched,
-            module - (model.experts - model.experts_per_token) * model.expert_params)
 
 
 def decode_step(model: ModelSpec, k: Knobs, profile, batch: int, context: float,
