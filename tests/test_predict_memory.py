@@ -4,6 +4,7 @@ Pure Python: the engines' own numbers these are checked against live are asserte
 launch them (tests/test_llamacpp.py, tests/test_vllm.py)."""
 import dataclasses
 import json
+import shlex
 
 import pytest
 
@@ -151,3 +152,15 @@ def test_draft_weights_are_counted_for_dflash_and_a_moe_models_mtp_module():
                           "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2})
     mtp_gb = draft_bytes(ds, nextn, None)[0] * 8 / 1e9
     assert mtp_gb == pytest.approx(ds.mtp_params * 2 / 1e9) and 11.0 * 2 < mtp_gb < 12.5 * 2
+
+
+def test_gpu_launch_lines_whatever_build_this_machine_has():
+    """Estimated for a GPU box from a machine with vLLM's CPU build (CI's): the lines are for the GPU's vLLM
+    (its own python3, `serve`, no CPU-backend environment, no CPU-only knobs), and a CPU estimate keeps the build's."""
+    for row in estimate(VLLM)["configs"]:
+        argv = shlex.split(row["launch"])
+        assert argv[:4] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve"], row["launch"]
+        assert not any(a.startswith("VLLM_CPU_") for a in argv) and "--threads" not in argv
+    on_cpu = VLLM.for_target(False)
+    assert on_cpu.cpu_build and on_cpu.entry[-1] == "vllm.entrypoints.openai.api_server"
+    assert "VLLM_CPU_KVCACHE_SPACE" in on_cpu.environment({"cpu_kvcache_space": 4}, None)

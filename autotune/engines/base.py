@@ -231,6 +231,11 @@ class EngineAdapter:
         """Whether this machine can launch the engine at all."""
         return importlib.util.find_spec(self.name) is not None
 
+    def for_target(self, on_gpu: bool) -> "EngineAdapter":
+        """The adapter as it would launch the engine on the target machine (`autotune estimate --gpu PROFILE` on
+        another one): this one, unless the build installed here serves only the other kind of device."""
+        return self
+
     def use_binary(self, path: str) -> None:
         """`--engine-binary PATH`: launch this build of the engine instead of the installed one."""
         raise ValueError(f"--engine-binary: the {self.name} engine runs as a Python module, not a binary")

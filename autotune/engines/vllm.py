@@ -21,6 +21,7 @@ Ampere, where it is the only FP8 path); `awq_marlin` / `gptq_marlin` = an AWQ / 
 The CPU build's `vllm` command is broken (it looks up a distribution named "vllm"): it is launched as
 `python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
 """
+import copy
 import json
 import os
 import sys
@@ -93,9 +94,21 @@ class VLLMAdapter(EngineAdapter):
     # or four compiled
     cpu_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
 
+    # the kind of machine the commands are for, where it is not this one's build (for_target); None: this machine
+    target_gpu: bool | None = None
+
     # -- which vLLM ----------------------------------------------------------------------------------
+    def for_target(self, on_gpu):
+        if on_gpu != self.cpu_build:
+            return self
+        view = copy.copy(self)
+        view.target_gpu = on_gpu
+        return view
+
     @property
     def python(self) -> str:
+        if self.target_gpu is not None:  # the target machine's own interpreter, not this machine's vLLM venv
+            return "python3"
         return engine_python(self.name) or sys.executable
 
     @property
@@ -106,12 +119,15 @@ class VLLMAdapter(EngineAdapter):
 
     @property
     def cpu_build(self) -> bool:
+        if self.target_gpu is not None:
+            return not self.target_gpu
         return (self.found or ("", ""))[0] == CPU_DISTRIBUTION
 
     @property
     def version(self) -> str:
-        """The schema the flags are checked against: the installed version's where one was captured."""
-        installed = (self.found or ("", ""))[1]
+        """The schema the flags are checked against: the installed version's where one was captured (for another
+        machine's vLLM: the data's pin)."""
+        installed = (self.found or ("", ""))[1] if self.target_gpu is None else ""
         return installed if installed in SCHEMA_VERSIONS else SCHEMA_VERSIONS[-1]
 
     @property

@@ -14,6 +14,7 @@ from autotune.predict.knobs import Engine
 from autotune.predict.models import load_model
 from autotune.predict.rank import changed, launch_command, model_argument, rank_configs
 from autotune.space import load_space
+from autotune.space.fit import fit_space
 
 REFUSED_SHOWN = 10  # pinned configurations refused, listed with their reasons
 
@@ -44,8 +45,11 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
     gpus = num_gpus or max(1, hardware.gpu_count)
     if profile is None:
         raise ValueError("no hardware profile matches this machine's GPU; pass --gpu <profile>")
+    engine = engine.for_target(profile.is_gpu)  # launch lines for the profile's machine, not this one's build
     space = space or load_space(engine.name)
     pins = {name: p.fixed for name, p in space.params.items() if p.pinned}
+    # what the engine offers on the profile's device and units (a GPU's knobs off on a CPU and the other way)
+    space = fit_space(space, hardware, concurrency)
     refused: list = []
     ranked = rank_configs(space, spec, profile, gpus, top, engine=engine, concurrency=concurrency,
                           context_len=context_len, alpha=alpha, draft=draft, has_draft_model=bool(draft_model),
