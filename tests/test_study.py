@@ -363,14 +363,15 @@ class FirstRequestHeld(EmbeddedAdapter):
 
 
 @pytest.mark.slow
-def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies):
+def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, tiny_checkpoint):
     """A plain trial sets the quick timeout (3x its quick wave, at least the 10 s floor); a torch.compile trial
     after it pays a one-time cost at its first request longer than that. That is launch cost: the trial is
     measured, its warm-up seconds recorded and counted in its time, and not pruned."""
-    # One stream, no drafter: the fewest shapes to compile on a CPU (torch.compile is slow there).
+    # One stream, no drafter, a 2-layer model: the fewest shapes and layers to compile on a CPU (torch.compile is
+    # slow there); the held first request is the cost that matters here. Chat prompts fit its 128 positions.
     pins = ["drafter=none", "verify_slots=1", "prefill_ubatch=256", "dtype=float32", "quantization=none", "threads=1"]
-    load = {**SMALL, "concurrency": 1, "launch_timeout_s": 900.0}
-    plain = plan.RunOptions(trials=1, study="compiled", sets=[*pins, "compile=none"], **load)
+    load = {**SMALL, "workload": "chat", "concurrency": 1, "launch_timeout_s": 900.0}
+    plain = plan.RunOptions(trials=1, study="compiled", sets=[*pins, "compile=none"], model=tiny_checkpoint, **load)
     first = trials_of(loop.run_study(plan.build(plain)))[0]
     assert first.user_attrs["status"] == "ok" and first.user_attrs["warmup_s"] > 0
     limit = max(trial_life.QUICK_TIMEOUT_FLOOR_S, trial_life.QUICK_TIMEOUT_FACTOR * first.user_attrs["quick"]["duration_s"])
