@@ -133,6 +133,7 @@ def public() -> dict:
         per_step = 1.0 if not knobs.drafter else case.get("accept_length")
         measured_step_ms = round(per_step / case["measured"] * 1e3, 2) if per_step and concurrency == 1 else None
         rows.append({**case, "kind": "speculative" if knobs.drafter else "plain", "concurrency": concurrency,
+                     "measured_on": case.get("measured_on", case["engine"]),
                      "settings": "assumed" if case.get("assumed") else "stated",
                      "held_out": "no" if case["source"].split()[0] in fitted else "yes",
                      "predicted": round(prior, 1), "predicted_accept_known": round(known, 1),
@@ -150,10 +151,10 @@ def _accuracy(rows: list[dict], key: str) -> dict:
 
 
 def public_summary(rows: list[dict]) -> dict:
-    """Shares within 25 % and median |error| overall and by kind, engine, GPU, whether every setting was stated,
+    """Shares within 25 % and median |error| overall and by kind, engine that ran, GPU, whether every setting was stated,
     whether the acceptance priors were fitted to the row's source, and source; Spearman per source."""
     splits = {}
-    for field in ("kind", "engine", "gpu", "settings", "held_out", "source_id"):
+    for field in ("kind", "measured_on", "gpu", "settings", "held_out", "source_id"):
         for value in sorted({r[field] for r in rows}):
             group = [r for r in rows if r[field] == value]
             splits[f"{field}={value}"] = {key: _accuracy(group, key) for key in ("error_pct", "error_pct_accept_known")}
