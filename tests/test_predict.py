@@ -226,6 +226,6 @@ def test_estimate_cli(tmp_path):
     rates = [c["speed"]["concurrent_tok_s"] for c in report["configs"]]
     assert rates == sorted(rates, reverse=True) and "sglang.launch_server" in report["configs"][0]["launch"]
     table = subprocess.run([*run, "--top", "2", "--engine", "vllm"], check=False, capture_output=True, text=True, timeout=60)
-    assert table.returncode == 0 and "PREDICTED" in table.stdout and " ".join(get_adapter("vllm").entry[1:]) in table.stdout
+    assert table.returncode == 0 and "PREDICTED" in table.stdout and " ".join(get_adapter("vllm").for_target(True).entry[1:]) in table.stdout
     bad = subprocess.run([*run[:-1], "no-such-model"], check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model") and len(bad.stderr.splitlines()) == 1
