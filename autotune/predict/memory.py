@@ -153,15 +153,20 @@ def kv_bytes_per_token(model: ModelSpec, k: Knobs, layers: int | None = None) ->
     return 2 * (layers or model.cache_layers) * heads_per_gpu * model.head_dim * k.kv_bytes
 
 
-def draft_layer_params(model: ModelSpec, drafter: str, tokens: int) -> tuple[float, float]:
-    """(parameters read, parameters computed per token) of an EAGLE head's or MTP module's one layer. On a dense
-    target: a decoder layer. On a MoE target the MTP module is a MoE layer (DeepSeek-V3's "11.5B unique
-    parameters" are mostly experts) that reads only the experts its `tokens` touch; an EAGLE head is a dense
-    layer of the target's width (its dense `intermediate_size`), never the average over every expert."""
+def dense_layer_params(model: ModelSpec) -> float:
+    """One decoder layer of a dense target; of a MoE target, a dense layer of its width (its dense
+    `intermediate_size`): what an EAGLE or DFlash drafter layer is, never the average over every expert."""
     if not model.experts:
-        return model.layer_params, model.layer_params
-    if drafter != "mtp" or not model.mtp_layers:
-        dense = model.attention_params() + model.mlp_params(False) + 2 * model.hidden
+        return model.layer_params
+    return model.attention_params() + model.mlp_params(False) + 2 * model.hidden
+
+
+def draft_layer_params(model: ModelSpec, drafter: str, tokens: int) -> tuple[float, float]:
+    """(parameters read, parameters computed per token) of an EAGLE head's or MTP module's one layer: a dense
+    layer (dense_layer_params), except a MoE target's MTP module, a MoE layer (DeepSeek-V3's "11.5B unique
+    parameters" are mostly experts) that reads only the experts its `tokens` touch."""
+    if not model.experts or drafter != "mtp" or not model.mtp_layers:
+        dense = dense_layer_params(model)
         return dense, dense
     module = model.mtp_params / model.mtp_layers
     touched = model.routed_read_params(tokens) / model.moe_layers
@@ -172,7 +177,7 @@ def draft_layer_params(model: ModelSpec, drafter: str, tokens: int) -> tuple[flo
 def draft_bytes(model: ModelSpec, k: Knobs, draft: ModelSpec | None, on_gpu: bool = True) -> tuple[float, float, str]:
     """(weights per GPU, KV bytes per token per GPU, what was assumed) of the drafter."""
     dense = WEIGHT_BYTES.get(k.dtype, 2)
-    layer = draft_layer_params(model, "eagle", 1)[0] * dense / k.tp  # a dense layer of the target's width
+    layer = dense_layer_params(model) * dense / k.tp
     one_layer_kv = kv_bytes_per_token(model, k, layers=1)
     if k.drafter == "dflash":  # its own layers over the target's features; embedding and head shared with the target
         layers = draft.layers if draft is not None else DFLASH_ASSUMED_LAYERS

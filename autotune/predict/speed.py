@@ -36,6 +36,7 @@ from autotune.predict.memory import (
     DFLASH_ASSUMED_LAYERS,
     EAGLE3_DRAFT_VOCAB,
     UNKNOWN_DRAFT_FRACTION,
+    dense_layer_params,
     draft_layer_params,
     kv_bytes_per_token,
     weights_read_bytes,
@@ -197,7 +198,7 @@ def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float,
         wbytes = (model.layers * model.layer_params + model.vocab * model.hidden) / k.tp
     elif k.drafter == "dflash":  # a few layers over the target's features, the target's head shared
         layers = draft.layers if draft is not None else DFLASH_ASSUMED_LAYERS
-        params = draft_layer_params(model, k.drafter, seqs * k.verify_tokens)[1] * layers / k.tp + head
+        params = dense_layer_params(model) * layers / k.tp + head
         kv = kv_bytes_per_token(model, k, layers=layers)
         wbytes = params * dense
         return [replace(make_pass(wbytes, params, layers, kv, width, seqs, seqs * k.verify_tokens, context, model,
