@@ -46,7 +46,7 @@ from autotune.predict import (
     presets,
     published,
 )
-from autotune.predict.speed import alpha_from_accept_length
+from autotune.predict.acceptance import alpha_from_accept_length
 
 CSV = PROJECT_ROOT / "benchmarks" / "data" / "grid_embedded_code.csv"
 LOAD = {"concurrency": 4, "num_requests": 4, "output_tokens": 32}  # the grid's load (its header)

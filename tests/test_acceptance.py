@@ -8,6 +8,7 @@ from autotune.hardware import get_profile
 from autotune.predict import Calibration, load_model, predict_speed, rank_configs
 from autotune.predict.acceptance import (
     Acceptance,
+    alpha_from_accept_length,
     drafter_acceptance,
     expected_tokens,
     prior,
@@ -15,7 +16,6 @@ from autotune.predict.acceptance import (
     sibling_exponent,
     tokens_per_step,
 )
-from autotune.predict.speed import alpha_from_accept_length
 from autotune.space import load_space
 
 SGLANG, VLLM = get_adapter("sglang"), get_adapter("vllm")

@@ -22,8 +22,9 @@ from autotune.predict import (
     presets,
     rank_configs,
 )
+from autotune.predict.acceptance import alpha_from_accept_length
 from autotune.predict.calibration import grid_trials
-from autotune.predict.speed import HEAD_KERNELS, KERNELS_PER_LAYER, alpha_from_accept_length
+from autotune.predict.speed import HEAD_KERNELS, KERNELS_PER_LAYER
 from autotune.space import load_space
 from autotune.space.constraints import ModelShape
 

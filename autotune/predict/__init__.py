@@ -10,13 +10,19 @@
 
 This package never imports the engines: the caller passes the adapter (what it reads: knobs.Engine).
 """
-from autotune.predict.acceptance import Acceptance, drafter_acceptance, published
+from autotune.predict.acceptance import (
+    ALPHA_PRIORS,
+    Acceptance,
+    drafter_acceptance,
+    expected_tokens,
+    published,
+)
 from autotune.predict.calibration import Calibration, predict_trial, trial_from_metrics
 from autotune.predict.drafts import DraftCheckpoint, draft_kind, read_draft
 from autotune.predict.memory import MemoryEstimate, estimate_memory, predict_memory
 from autotune.predict.models import ModelSpec, load_model, presets
 from autotune.predict.rank import Prediction, launch_command, rank_configs
-from autotune.predict.speed import ALPHA_PRIORS, Coefficients, SpeedEstimate, expected_tokens, predict_speed
+from autotune.predict.speed import Coefficients, SpeedEstimate, predict_speed
 
 __all__ = ["ALPHA_PRIORS", "Acceptance", "Calibration", "Coefficients", "DraftCheckpoint", "MemoryEstimate", "ModelSpec", "Prediction", "SpeedEstimate",
            "draft_kind", "drafter_acceptance", "estimate_memory", "expected_tokens", "launch_command", "load_model", "predict_memory", "predict_speed",

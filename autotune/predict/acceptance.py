@@ -109,6 +109,11 @@ def scaled_to(length: float, k: Knobs, shape: Acceptance) -> Acceptance:
     return replace(shape, alpha_1=(lo + hi) / 2)
 
 
+def alpha_from_accept_length(length: float, k: Knobs) -> float:
+    """The flat per-token rate whose E (expected_tokens) is a measured accept length at config `k`."""
+    return scaled_to(length, k, Acceptance.flat(0.0)).alpha_1
+
+
 @functools.cache
 def published() -> tuple[Published, ...]:
     rows = yaml.safe_load(DATA_FILE.read_text())["sources"]
@@ -168,3 +173,8 @@ def drafter_acceptance(family: str, mtp_layers: int = 1, alpha_1: float | None =
     """The family's prior, its alpha_1 replaced by a measured one (calibration) where given."""
     acc = prior(family, mtp_layers)
     return replace(acc, alpha_1=alpha_1) if alpha_1 is not None else acc
+
+
+# First-position acceptance per drafter family, fitted with a per-position decay to published acceptance
+# lengths (autotune/data/acceptance.yaml); measured accept lengths replace it.
+ALPHA_PRIORS = {family: prior(family).alpha_1 for family in (*priors(), *UNPUBLISHED)}

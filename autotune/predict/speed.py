@@ -22,15 +22,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from autotune.predict.acceptance import (
-    UNPUBLISHED,
-    Acceptance,
-    drafter_acceptance,
-    expected_tokens,
-    prior,
-    priors,
-    scaled_to,
-)
+from autotune.predict.acceptance import Acceptance, drafter_acceptance, expected_tokens
 from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
 from autotune.predict.memory import (
     DFLASH_ASSUMED_LAYERS,
@@ -42,11 +34,6 @@ from autotune.predict.memory import (
     weights_read_bytes,
 )
 from autotune.predict.models import ModelSpec
-
-# First-position acceptance per drafter family, fitted with a per-position decay to published acceptance
-# lengths (autotune/predict/acceptance.py, autotune/data/acceptance.yaml); measured accept lengths replace it.
-ALPHA_PRIORS = {family: prior(family).alpha_1 for family in (*priors(), *UNPUBLISHED)}
-
 
 # Kernels of one decoder layer on the plain bf16 path: 2 norms (residual add fused), the q/k/v and o
 # projections (fused qkv in SGLang/vLLM; separate in the embedded engine, whose rope and cache write
@@ -108,11 +95,6 @@ class SpeedEstimate:
     alpha: float | None
     step_ms: float  # at `batch`
     bound: str  # memory | compute | kernels (the per-kernel floor), of the target's pass at `batch`
-
-
-def alpha_from_accept_length(length: float, k: Knobs) -> float:
-    """The flat per-token rate whose E (acceptance.expected_tokens) is a measured accept length at config `k`."""
-    return scaled_to(length, k, Acceptance.flat(0.0)).alpha_1
 
 
 # -- hardware numbers -------------------------------------------------------------------------------
