@@ -153,3 +153,21 @@ def tiny_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny")
     write_tiny_checkpoint(directory, "llama", load_model().tokenizer)
     return str(directory)
+
+
+def write_gguf(path, arch: str, file_type=None, embedding_shape=(8, 4)):
+    """A GGUF file of `arch` holding one F16 token embedding, with general.file_type `file_type` (a
+    gguf.LlamaFileType, as convert_hf_to_gguf.py and llama-quantize write one) or none (as
+    scripts/distill_draft_model.py writes its draft)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    if file_type is not None:
+        writer.add_file_type(file_type)
+    writer.add_tensor("token_embd.weight", np.zeros(embedding_shape, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import gguf
-import numpy as np
 import pytest
+from conftest import write_gguf
 
 from autotune.engines import get_adapter
 from autotune.hardware import get_profile, planned, probe
@@ -80,15 +80,7 @@ def test_each_engine_offers_what_its_code_runs_the_checkpoint_as(tmp_path):
 def gguf_file(path, arch: str, file_type: bool = True):
     """A GGUF header of `arch` with one tensor, as convert_hf_to_gguf.py writes (general.file_type F16), or
     without a file type, as scripts/distill_draft_model.py writes its draft."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    if file_type:
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, arch, gguf.LlamaFileType.MOSTLY_F16 if file_type else None)
 
 
 def test_llamacpp_draft_types_follow_the_draft_gguf(tmp_path):

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from conftest import write_gguf
 
 from autotune.embedded.bundled import bundled_gguf_path
 from autotune.engines.launcher import launch
@@ -122,13 +123,7 @@ def test_a_files_own_tensor_types_beat_the_rules(tmp_path):
     # A Q4_K_M file whose tied embedding was kept at F16 (llama-quantize --token-embedding-type f16): its
     # header's sizes price it, not the rules' Q6_K; a type no file of the model has: the rules.
     file = tmp_path / "tiny-Q4_K_M.gguf"
-    writer = gguf.GGUFWriter(file, "llama")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    writer.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(file, "llama", gguf.LlamaFileType.MOSTLY_Q4_K_M, (64, 256))
     assert stored_bytes(str(file), "Q4_K_M", 256, tied=True) == (2.0, 2.0)
     assert stored_bytes(str(file), "Q8_0", 256, tied=True) == (34 / 32, 34 / 32)
     assert stored_bytes("https://huggingface.co/x/config.json", "Q4_K_M", 256, tied=False) == (144 / 256, 210 / 256)
