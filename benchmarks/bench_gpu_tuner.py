@@ -156,8 +156,10 @@ def tuner(args):
     c = args.concurrency[0]
     name = tuner_name(args.engine, c)
     argv = [sys.executable, "-m", "autotune.cli", "run", "--gpu", "auto", "--engine", args.engine,
-            "--workload", WORKLOAD, "--concurrency", str(c), "--num-requests", str(requests_at(c, args.per_stream)),
-            "--max-tokens", str(args.max_tokens), "--study", name, "--seed", str(args.seed), "--no-estimator"]
+            "--concurrency", str(c), "--study", name, "--seed", str(args.seed)]
+    if not args.as_user:  # the sweep's workload and request counts, without the estimator step
+        argv += ["--workload", WORKLOAD, "--num-requests", str(requests_at(c, args.per_stream)),
+                 "--max-tokens", str(args.max_tokens), "--no-estimator"]
     argv += [*(["--trials", str(args.trials)] if args.trials else []), *(["--budget", args.budget] if args.budget else [])]
     env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(out / "studies")}
     started = time.time()
@@ -297,6 +299,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trials", type=int, default=None)
     ap.add_argument("--budget", default=None)
+    ap.add_argument("--as-user", action="store_true",
+                    help="tuner: the command a user types (`run --gpu auto --concurrency C --budget B`), all defaults")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep-dir", default=None, help="summarize: the sweep's results folder, when not --out")
