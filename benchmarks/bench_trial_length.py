@@ -88,7 +88,7 @@ def main():
     adapter, configs = get_adapter("embedded"), CONFIGS[args.configs]
     # The servers start (and compile) side by side; each is measured while the others idle.
     pool = ThreadPoolExecutor(len(configs))
-    servers = dict(zip(configs, pool.map(lambda name: launch(adapter, configs[name], log_path=out / f"{name}.log",
+    servers = dict(zip(configs, pool.map(lambda name: launch(adapter, configs[name], log_path=out / "logs" / f"{name}.log",
                                                               timeout_s=args.launch_timeout), configs)))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=False).stdout.strip()
