@@ -5,14 +5,41 @@ input must not wait for torch, the engines and plotly to load.
 """
 import dataclasses
 import time
+from typing import Annotated
 
 import typer
 
+# Plain click help, not rich panels: a command's help fits a screen (rich's boxes take twice the lines) and
+# text such as "[values]" is printed as written, not read as markup.
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
-    help="Find, prove and hand over the fastest launch configuration of a speculative-decoding LLM server.",
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 100},
+    help="Find, prove and hand over the fastest launch configuration of a speculative-decoding LLM server. "
+         "Studies live in ./studies of the working directory unless --studies-dir or $AUTOTUNE_STUDIES_DIR "
+         "says otherwise.",
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from autotune import __version__
+
+        typer.echo(f"autotune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print the version and exit.")):
+    pass  # the options every command shares come before its name: only --version, so far
+
+
+def _studies_dir_option():
+    """--studies-dir, the same on every command that writes or reads studies."""
+    return typer.Option(None, "--studies-dir", metavar="DIR",
+                        help="studies' folder (default: $AUTOTUNE_STUDIES_DIR or ./studies)")
 
 
 # -- autotune serve: the embedded engine ------------------------------------------------------------
@@ -37,13 +64,12 @@ def _serve_flag_error(device: str, port: int, log_level: str, threads: int | Non
 
 @app.command()
 def serve(
-    model: str = typer.Option(None, help="GGUF file or HF safetensors directory (default: the bundled SmolLM2-135M)"),
-    draft_model: str = typer.Option(None, help="draft checkpoint for --drafter draft_model (same vocabulary)"),
+    model: str = typer.Option(None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M)"),
+    draft_model: str = typer.Option(None, help="draft checkpoint for --drafter draft_model (default: none)"),
     drafter: str = typer.Option(_SERVE_DEFAULTS.drafter, help=" | ".join(_engine_config.DRAFTERS)),
     draft_length: int = typer.Option(_SERVE_DEFAULTS.draft_length, help="tokens proposed per verify step (k)"),
     draft_policy: str = typer.Option(_SERVE_DEFAULTS.draft_policy, help=" | ".join(_engine_config.DRAFT_POLICIES)),
-    draft_estimator: str = typer.Option(None, help="estimator.json (per-request cap + stop rule) or draft_length_estimator.py "
-                                        "for --draft-policy estimator"),
+    draft_estimator: str = typer.Option(None, help="estimator.json/.py for --draft-policy estimator (default: none)"),
     early_exit_layers: int = typer.Option(_SERVE_DEFAULTS.early_exit_layers, help="layers for --drafter early_exit"),
     ngram_min: int = typer.Option(_SERVE_DEFAULTS.ngram_min, help="shortest prompt-lookup match"),
     ngram_max: int = typer.Option(_SERVE_DEFAULTS.ngram_max, help="longest prompt-lookup match"),
@@ -52,15 +78,13 @@ def serve(
     dtype: str = typer.Option(_SERVE_DEFAULTS.dtype, help=" | ".join(_engine_config.DTYPES)),
     quantization: str = typer.Option(_SERVE_DEFAULTS.quantization, help=" | ".join(_engine_config.QUANTIZATIONS)),
     compile: str = typer.Option(_SERVE_DEFAULTS.compile, help=" | ".join(_engine_config.COMPILE_BACKENDS)),
-    cuda_graph_batch_sizes: str = typer.Option("", help="comma-separated batch sizes to capture, e.g. 1,2,4 (CUDA)"),
+    cuda_graph_batch_sizes: str = typer.Option("", help="CUDA graphs to capture, e.g. 1,2,4 (default: none)"),
     step_shape: str = typer.Option(_SERVE_DEFAULTS.step_shape, help=" | ".join(_engine_config.STEP_SHAPES)
-                                   + " (fixed: one padded shape per step, for greedy output independent of k "
-                                   "and concurrency on CUDA; unverified on a GPU yet)"),
+                                   + " (fixed: one shape per step)"),
     step_attention: str = typer.Option(_SERVE_DEFAULTS.step_attention, help=" | ".join(_engine_config.STEP_ATTENTIONS)
-                                       + " (triton: the split-cache step kernel, CUDA; auto: triton where it runs)"),
+                                       + " (auto: triton where it runs)"),
     prefill_graphs: str = typer.Option(_SERVE_DEFAULTS.prefill_graphs, help=" | ".join(_engine_config.PREFILL_GRAPHS)
-                                       + " (on: prefill chunks replay CUDA graphs, one per width bucket, where "
-                                       "--cuda-graph-batch-sizes captures the steps')"),
+                                       + " (on: prefill replays CUDA graphs too)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's)"),
     device: str = typer.Option(_SERVE_DEFAULTS.device, help="auto | cpu | cuda | cuda:N"),
     max_seq_len: int = typer.Option(_SERVE_DEFAULTS.max_seq_len, help="context length (KV cache per slot)"),
@@ -69,10 +93,12 @@ def serve(
     port: int = typer.Option(30000, help="port to bind"),
     log_level: str = typer.Option("info", help=" | ".join(_LOG_LEVELS)),
     request_timeout: float = typer.Option(
-        None, metavar="SECONDS", help="cancel a request still unfinished this long after it arrived: it ends with "
-        "what it generated and finish_reason length (default: no limit, as in vLLM)"),
+        None, metavar="SECONDS", help="end a request this long after it came, finish_reason length "
+        "(default: no limit)"),
 ):
-    """Serve a model with the embedded speculative-decoding engine (OpenAI API, /health, /metrics)."""
+    """Serve a model with the embedded engine: OpenAI API, /health, /metrics.
+
+    The embedded engine is autotune's own small PyTorch speculative-decoding server."""
     options = dict(locals())  # the parsed flags: EngineConfig's fields by name, and the server's own
     try:
         graph_sizes = [int(s) for s in cuda_graph_batch_sizes.split(",") if s.strip()]
@@ -127,7 +153,7 @@ def probe(
     json_output: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name (plan for it)"),
 ):
-    """Report the GPUs, driver, CPU and matched hardware profile, each fact with its evidence."""
+    """Report the GPUs, driver, CPU and hardware profile, each fact with its evidence."""
     from autotune.hardware import probe as probe_hardware
 
     try:
@@ -156,35 +182,37 @@ def probe(
 # -- autotune run: the tuner --------------------------------------------------------------------------
 @app.command()
 def run(
-    gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
+    gpu: str = typer.Option("auto", help="auto (this machine) | cpu | a hardware profile"),
     engine: str = typer.Option("embedded", help="embedded | llamacpp | sglang | vllm"),
-    engine_binary: str = typer.Option(None, help="llamacpp: your own llama-server build (default: bash setup.sh "
-                                                 "llamacpp's); vllm: the Python of an environment that has vLLM "
-                                                 "(default: bash setup.sh vllm's)"),
-    model: str = typer.Option(None, help="model path (default: the engine's default; the bundled SmolLM2-135M for embedded)"),
-    draft_model: str = typer.Option(None, help="draft checkpoint: adds drafter=draft_model to the space"),
-    workload: str = typer.Option("code", help="shipped workload name or a JSONL/ShareGPT file"),
-    slo: str = typer.Option(None, help='constraints, e.g. "p95_ttft_ms<500; p95_itl_ms<=40"'),
+    engine_binary: str = typer.Option(None, help="your llama-server (llamacpp) or a vLLM env's Python (vllm) "
+                                                 "(default: the one bash setup.sh ENGINE made)"),
+    model: str = typer.Option(None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M)"),
+    draft_model: str = typer.Option(None, help="draft checkpoint: adds drafter=draft_model (default: none)"),
+    workload: str = typer.Option("code", help="chat, code, mixed, ... or a JSONL/ShareGPT file"),
+    slo: str = typer.Option(None, help='e.g. "p95_ttft_ms<500; p95_itl_ms<=40" (default: none)'),
     objective: str = typer.Option("throughput", help="throughput | latency | pareto"),
-    trials: int = typer.Option(None, help="measured trials (default 25)"),
-    budget: str = typer.Option(None, help="wall-clock budget, e.g. 30m, 1h, 90s (default: 15m for embedded)"),
+    trials: int = typer.Option(None, help="measured trials at most (default: 25)"),
+    budget: str = typer.Option(None, help="wall clock of the whole run, e.g. 30m, 1h (default: the engine's)"),
     study: str = typer.Option(None, help="study name (default: <engine>-<workload>-<time>)"),
-    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in studies/<study>/study.db)"),
-    resume: bool = typer.Option(False, help="continue --study; trials a killed run left running are marked failed"),
-    set_: list[str] = typer.Option(None, "--set", help="pin or narrow: name=value | name=a,b | name=low..high"),
-    space: str = typer.Option(None, help="a search-space YAML, or a narrowing file {name: value|[values]|{low,high}}"),
-    concurrency: int = typer.Option(None, help="concurrent requests during each benchmark (default: the workload's)"),
-    num_requests: int = typer.Option(None, help="requests per trial benchmark"),
-    max_tokens: int = typer.Option(None, help="cap on output tokens per request"),
-    min_measure: float = typer.Option(10.0, help="seconds a benchmark lasts at least: its requests are multiplied "
-                                                 "(up to 16x) at the pace its first wave showed; 0: --num-requests as given"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
+    resume: bool = typer.Option(False, help="continue --study (killed trials: failed)"),
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="NAME=VALUE", help="name=value | name=a,b | name=low..high (default: none)")] = None,
+    space: str = typer.Option(None, help="a space YAML or a narrowing file (default: the engine's space)"),
+    concurrency: int = typer.Option(None, help="requests in flight per benchmark (default: the engine's load)"),
+    num_requests: int = typer.Option(None, help="requests per benchmark (default: the engine's load)"),
+    max_tokens: int = typer.Option(None, help="output tokens per request at most (default: the engine's load)"),
+    min_measure: float = typer.Option(10.0, help="min seconds a benchmark lasts (0: as asked)"),
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
-    parallel: str = typer.Option("1", help="trials side by side on disjoint GPUs (CPU: cores shared): auto | N"),
-    plan_only: bool = typer.Option(False, "--plan", help="print the planned space and queued seeds, launch nothing"),
-    estimator: bool = typer.Option(True, help="fit and evaluate the draft-length estimator after validation "
-                                              "(on the embedded engine: two more launches of the setup)"),
+    parallel: str = typer.Option("1", help="trials side by side: auto | N"),
+    plan_only: bool = typer.Option(False, "--plan", help="print the plan (space, load, budget, first trials); "
+                                                         "launch nothing"),
+    estimator: bool = typer.Option(True, help="then fit the draft-length estimator"),
 ):
-    """Tune an engine's launch configuration on this machine with an Optuna study."""
+    """Tune an engine's launch configuration on this machine with an Optuna study.
+
+    Validates the best on fresh launches, exports best/launch.sh, writes the report."""
     started = time.time()  # --budget counts from here: probing, trials, validation, estimator, report
     from rich.console import Console
 
@@ -196,7 +224,7 @@ def run(
             engine=engine, model=model, draft_model=draft_model, workload=workload, slo=slo, objective=objective,
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, min_measure_s=min_measure,
-            gpu=gpu, seed=seed,
+            gpu=gpu, seed=seed, studies_root=studies_dir,
             parallel=parallel, engine_binary=engine_binary)
         the_plan = plan.build(opts)
         if plan_only:
@@ -227,20 +255,24 @@ def run(
 # -- autotune worker: more hands for a study in a shared storage -----------------------------------------
 @app.command()
 def worker(
-    study: str = typer.Option(..., help="name of the study to join (created by autotune run --storage URL)"),
-    storage: str = typer.Option(..., help="its storage: postgresql://.., mysql://.., sqlite:///.. or a JournalStorage file"),
+    study: str = typer.Option(..., help="name of the study to join (made by autotune run --storage URL)"),
+    storage: str = typer.Option(..., help="its storage: postgresql://.., mysql://.., sqlite:///.. or a journal file"),
     parallel: str = typer.Option("auto", help="trials side by side on this machine: auto | N"),
     trials: int = typer.Option(None, help="stop once the study holds this many measured trials (default: the study's)"),
-    budget: str = typer.Option(None, help="this worker's wall-clock budget, e.g. 2h (default: what is left of the study's)"),
-    gpu: str = typer.Option("auto", help="auto (measure this machine) | cpu | a hardware profile name"),
+    budget: str = typer.Option(None, help="this worker's wall clock, e.g. 2h (default: what is left of the study's)"),
+    gpu: str = typer.Option("auto", help="auto (this machine) | cpu | a hardware profile"),
+    studies_dir: str = _studies_dir_option(),
 ):
-    """Join a study from this or another machine and run its trials until its count or budget is met."""
+    """Join a study from this or another machine and run its trials.
+
+    Runs until the study holds its trial count or its budget is spent; logs go to the study's directory."""
     from rich.console import Console
 
     from autotune.study import worker as joiner
 
     try:
-        outcome = joiner.join(study, storage, parallel=parallel, trials=trials, budget=budget, gpu=gpu, console=Console())
+        outcome = joiner.join(study, storage, parallel=parallel, trials=trials, budget=budget, gpu=gpu,
+                              studies_root=studies_dir, console=Console())
     except (ValueError, OSError) as e:
         typer.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
         raise typer.Exit(2)
@@ -255,23 +287,26 @@ def bench(
     workload: str = typer.Option("chat", help="shipped set (chat, code, long-prefill, repetitive, mixed) "
                                               "or a .jsonl of OpenAI bodies / ShareGPT .json"),
     concurrency: int = typer.Option(None, help="closed loop: requests in flight (default 1); with --rate: a cap"),
-    rate: float = typer.Option(None, help="open loop: Poisson arrivals, requests per second (inf: all at once)"),
-    sweep: str = typer.Option(None, help="comma-separated concurrency levels, one run each, e.g. 1,2,4,8"),
-    duration: float = typer.Option(None, help="stop sending after this many seconds"),
+    rate: float = typer.Option(None, help="open loop: Poisson arrivals per second, inf: all at once (default: closed)"),
+    sweep: str = typer.Option(None, help="concurrency levels, one run each, e.g. 1,2,4,8 (default: --concurrency)"),
+    duration: float = typer.Option(None, help="stop sending after this many seconds (default: no limit)"),
     num_requests: int = typer.Option(None, help="stop after this many requests (default: one pass over the workload)"),
     warmup: int = typer.Option(0, help="requests sent first and not measured"),
     seed: int = typer.Option(0, help="workload order and arrival times"),
-    max_tokens: int = typer.Option(None, help="override every request's max_tokens"),
-    slo: str = typer.Option(None, help='e.g. "p95_ttft_ms<500; p95_itl_ms<=40; error_rate<0.01"'),
-    out: str = typer.Option(None, help="results JSON (summary + rows); the rows also go to the .parquet beside it"),
+    max_tokens: int = typer.Option(None, help="every request's max_tokens (default: the workload's)"),
+    slo: str = typer.Option(None, help='e.g. "p95_ttft_ms<500; error_rate<0.01" (default: none)'),
+    out: str = typer.Option(None, help="results .json, rows also in the .parquet beside it (default: none)"),
     api: str = typer.Option(None, help="send every request as chat | completions (default: as the workload says)"),
     model: str = typer.Option(None, help="model name to send (default: the first one /v1/models lists)"),
-    server_pid: int = typer.Option(None, help="server process id, for its peak RSS"),
+    server_pid: int = typer.Option(None, help="server process id, for its peak RSS (default: none)"),
     request_timeout: float = typer.Option(120.0, help="seconds one request may take in all"),
     ignore_eos: bool = typer.Option(True, help="ask the server to run to max_tokens (vLLM/SGLang extension)"),
-    extra_body: str = typer.Option(None, help='JSON object merged into every request, e.g. \'{"draft_length": 2}\''),
+    extra_body: str = typer.Option(None, help='JSON merged into every request, e.g. \'{"draft_length": 2}\' '
+                                              "(default: none)"),
 ):
-    """Benchmark an OpenAI-compatible server: TTFT, ITL, TPOT, E2E, throughput, goodput, acceptance."""
+    """Benchmark an OpenAI-compatible server.
+
+    TTFT, ITL, TPOT, E2E, throughput, goodput and the server's acceptance."""
     import json
 
     from rich.console import Console
@@ -331,18 +366,20 @@ def estimate(
     gpu: str = typer.Option("auto", help="auto (this machine) | cpu | a hardware profile name"),
     num_gpus: int = typer.Option(None, help="GPUs to plan for (default: this machine's count, or 1 for a profile)"),
     engine: str = typer.Option("sglang", help="sglang | vllm | llamacpp | embedded"),
-    draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head (enables the drafters that need one)"),
-    draft_kind: str = typer.Option(None, help="eagle | eagle3 | dflash | standalone: what --draft-model is, where its "
-                                   "config.json cannot be read here (a hub id not in the local cache)"),
+    draft_model: str = typer.Option(None, help="draft checkpoint or EAGLE head, for the drafters that need one "
+                                               "(default: none)"),
+    draft_kind: str = typer.Option(None, help="eagle | eagle3 | dflash | standalone: what --draft-model is "
+                                   "(default: read from its config.json)"),
     alpha: float = typer.Option(None, help="a flat per-token draft acceptance in (0, 1) (default: the drafter family's per-position prior, fitted to published accept lengths: autotune/data/acceptance.yaml)"),
     concurrency: int = typer.Option(1, help="concurrent streams to rank by (1 = single stream)"),
     context_len: int = typer.Option(None, help="tokens one sequence must fit (default 4096; embedded: 2048)"),
     top: int = typer.Option(10, help="configurations to show"),
-    set_: list[str] = typer.Option(None, "--set", help="pin or narrow, as for run: name=value | name=a,b | name=low..high"),
-    space: str = typer.Option(None, help="a search-space YAML, or a narrowing file {name: value|[values]|{low,high}}"),
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="NAME=VALUE", help="as for run: name=value | name=a,b | name=low..high (default: none)")] = None,
+    space: str = typer.Option(None, help="a space YAML or a narrowing file (default: the engine's space)"),
     json_output: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ):
-    """Rank an engine's configurations by PREDICTED decode tok/s and memory, without launching anything."""
+    """Rank an engine's configurations by PREDICTED speed and memory, launching nothing."""
     from autotune.engines import get_adapter
     from autotune.predict.report import estimate_report
     from autotune.study.plan import user_space
@@ -360,7 +397,17 @@ def estimate(
 
 
 # -- autotune validate / export / report / show: what a study hands over ------------------------------
-_STUDY_HELP = "study name (under studies/) or its directory"
+_STUDY_HELP = "study name (under --studies-dir) or its directory"
+_STORAGE_HELP = "Optuna storage URL (default: sqlite in the study's directory)"
+
+
+def _study_ref(study: str, studies_dir: str | None) -> str:
+    """STUDY as the readers take it: with --studies-dir, the study of that name there (an absolute path stays)."""
+    if not studies_dir:
+        return study
+    from autotune.study import storage as store
+
+    return str(store.study_dir(study, studies_dir))
 
 
 def _number(value: float | None, width: int = 0) -> str:
@@ -378,22 +425,25 @@ def validate(
     study: str = typer.Argument(..., help=_STUDY_HELP),
     top: int = typer.Option(None, help="best distinct configurations to relaunch [default: 3]"),
     repeats: int = typer.Option(None, help="benchmarks of each, on one fresh server [default: 3]"),
-    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help=_STORAGE_HELP),
     slo: str = typer.Option(None, help="SLO to re-check on every repeat (default: the study's)"),
     max_noise: float = typer.Option(None, help="demote when the objective's MAD exceeds this share of its median [default: 0.1]"),
     quality_prompts: int = typer.Option(None, help="greedy prompts compared with the baseline [default: 4]"),
     quality_tokens: int = typer.Option(None, help="tokens generated per greedy prompt [default: 32]"),
-    concurrency: int = typer.Option(None, help="override the study's load"),
-    num_requests: int = typer.Option(None, help="override the study's load"),
-    max_tokens: int = typer.Option(None, help="override the study's load"),
+    concurrency: int = typer.Option(None, help="requests in flight (default: the study's load)"),
+    num_requests: int = typer.Option(None, help="requests per benchmark (default: the study's load)"),
+    max_tokens: int = typer.Option(None, help="output tokens per request at most (default: the study's load)"),
 ):
-    """Relaunch the study's best configurations fresh, benchmark each N times, write best/validation.json."""
+    """Relaunch the study's best configurations fresh and pick the winner.
+
+    Benchmarks each several times, compares greedy outputs with the defaults', writes best/validation.json."""
     from autotune import validate as validation
 
     given = {"top": top, "repeats": repeats, "max_noise": max_noise, "quality_prompts": quality_prompts,
              "quality_tokens": quality_tokens}  # unset: validate's own defaults (the [default] in the help)
     try:
-        doc = validation.validate(study, storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
+        doc = validation.validate(_study_ref(study, studies_dir), storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
                                   load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
     except (ValueError, OSError) as e:
         _fail(e)
@@ -417,14 +467,17 @@ def export(
     study: str = typer.Argument(..., help=_STUDY_HELP),
     format: str = typer.Option("all", "--format", help="sh | yaml | json | docker | all (comma-separated)"),
     out: str = typer.Option(None, help="directory (default: the study's best/)"),
-    storage: str = typer.Option(None, help="Optuna storage URL"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help=_STORAGE_HELP),
 ):
-    """Write the winner as launch.sh, config.yaml, launch.json, docker-run.sh and provenance.json."""
+    """Write the winner to best/: launch.sh, config.yaml, launch.json, docker-run.sh.
+
+    With provenance.json: where its numbers came from."""
     from autotune import export as exporter
 
     formats = exporter.FORMATS if format == "all" else tuple(f.strip() for f in format.split(",") if f.strip())
     try:
-        paths = exporter.export(study, storage=storage, formats=formats, out=out)
+        paths = exporter.export(_study_ref(study, studies_dir), storage=storage, formats=formats, out=out)
     except (ValueError, OSError) as e:
         _fail(e)
     for path in paths:
@@ -436,13 +489,14 @@ def report(
     study: str = typer.Argument(..., help=_STUDY_HELP),
     out: str = typer.Option(None, help="HTML file (default: the study's report.html)"),
     png: bool = typer.Option(True, help="PNG copies of the key plots (needs Chrome/Chromium)"),
-    storage: str = typer.Option(None, help="Optuna storage URL"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help=_STORAGE_HELP),
 ):
-    """Write one self-contained HTML report of the study (Plotly), with PNG copies of the key plots."""
+    """Write the study's self-contained HTML report (and PNGs of the key plots)."""
     from autotune import report as reporter
 
     try:
-        path = reporter.write_report(study, storage=storage, out=out, png=png)
+        path = reporter.write_report(_study_ref(study, studies_dir), storage=storage, out=out, png=png)
     except (ValueError, OSError) as e:
         _fail(e)
     typer.echo(str(path))
@@ -451,13 +505,14 @@ def report(
 @app.command()
 def show(
     study: str = typer.Argument(..., help=_STUDY_HELP),
-    storage: str = typer.Option(None, help="Optuna storage URL"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help=_STORAGE_HELP),
 ):
     """Print a study's summary: winner, gain, top configurations, failures."""
     from autotune import report as reporter
 
     try:
-        reporter.show(study, storage=storage)
+        reporter.show(_study_ref(study, studies_dir), storage=storage)
     except (ValueError, OSError) as e:
         _fail(e)
 
@@ -471,9 +526,12 @@ def ci(
     retune_trials: int = typer.Option(25, help="measured trials of the re-tune at most"),
     force: bool = typer.Option(False, help="re-check even when the environment is unchanged"),
     json_output: bool = typer.Option(False, "--json", help="print the result as JSON on stdout"),
-    storage: str = typer.Option(None, help="Optuna storage URL (default: sqlite in the study's directory)"),
+    studies_dir: str = _studies_dir_option(),
+    storage: str = typer.Option(None, help=_STORAGE_HELP),
 ):
-    """Re-check the exported best after a driver/CUDA/torch/engine change; re-tune it if it regressed (exit 1)."""
+    """Re-check the exported best after a driver, CUDA, torch or engine change.
+
+    Re-tunes (into the study's ci/ folder) when it broke or fell behind; exit 1 then."""
     import json as _json
 
     from rich.console import Console
@@ -489,7 +547,7 @@ def ci(
             raise ValueError(f"--retune-budget {retune_budget!r}: expected a duration such as 90s, 20m, 1h") from None
         if retune_trials < 1:
             raise ValueError("--retune-trials must be at least 1")
-        result = checker.check(study, storage=storage, tolerance=share, retune_budget_s=budget_s,
+        result = checker.check(_study_ref(study, studies_dir), storage=storage, tolerance=share, retune_budget_s=budget_s,
                                retune_trials=retune_trials, force=force, console=Console(stderr=True))
     except (ValueError, OSError) as e:
         _fail(e)
@@ -507,12 +565,12 @@ estimator_app = typer.Typer(no_args_is_help=True, help="Fit and evaluate the run
 app.add_typer(estimator_app, name="estimator")
 
 
-def _study_path(study: str):
+def _study_path(study: str, studies_dir: str | None):
     from pathlib import Path
 
     from autotune.study import storage as store
 
-    return Path(study) if Path(study).is_dir() else store.study_dir(study)
+    return Path(study) if not studies_dir and Path(study).is_dir() else store.study_dir(study, studies_dir)
 
 
 def _estimator_errors():
@@ -526,15 +584,18 @@ def _estimator_errors():
 @estimator_app.command("fit")
 def estimator_fit(
     study: str = typer.Argument(..., help=_STUDY_HELP + " (fitted on its requests/trial-N.parquet)"),
+    studies_dir: str = _studies_dir_option(),
     out: str = typer.Option(None, help="where estimator.json and draft_length_estimator.py go (default: the study's dir)"),
     collect: bool = typer.Option(True, help="without per-request data in the study, collect it on a live embedded server"),
     drafter: str = typer.Option("ngram", help="drafter of the collection pass"),
-    data: str = typer.Option(None, help="fit on this parquet of per-request rows (a saved collection pass) instead"),
-    stop_rule: bool = typer.Option(True, help="fit the runtime stop rule: where the study's rows carry no proposal "
-                                   "traces, run a short traced collection pass of its setup on the embedded engine"),
+    data: str = typer.Option(None, help="a parquet of per-request rows to fit on (default: the study's rows)"),
+    stop_rule: bool = typer.Option(True, help="fit the runtime stop rule too (a short traced pass on the embedded "
+                                   "engine where the rows carry no proposal traces)"),
 ):
-    """Fit the per-request cap (k per prompt-feature bucket x temperature band) and, from each proposed token's
-    draft entropy and acceptance, the runtime stop rule; write estimator.json and the standalone module."""
+    """Fit the per-request draft-length cap and the runtime stop rule.
+
+    The cap: k per prompt-feature bucket x temperature band; the stop rule: from each proposed token's draft
+    entropy and acceptance. Writes estimator.json and the standalone draft_length_estimator.py."""
     from pathlib import Path
 
     import pandas as pd
@@ -546,9 +607,9 @@ def estimator_fit(
             rows = pd.read_parquet(data)
             fitted = est.fit(rows, source=f"rows {data}")
             fitted.info["engine_config"] = {"drafter": drafter, "draft_length": int(rows["k"].mode()[0])}
-            path = fitted.write(Path(out or _study_path(study)))
+            path = fitted.write(Path(out or _study_path(study, studies_dir)))
         else:
-            path = est.fit_from_study(_study_path(study), out, collect_if_missing=collect,
+            path = est.fit_from_study(_study_path(study, studies_dir), out, collect_if_missing=collect,
                                       config={"drafter": drafter, "draft_length": 4}, stop_rule=stop_rule)
     except _estimator_errors() as e:
         _fail(e)
@@ -574,22 +635,25 @@ def estimator_fit(
 @estimator_app.command("eval")
 def estimator_eval(
     estimator: str = typer.Option(None, help="estimator.json (default: the study's)"),
-    study: str = typer.Option(None, help=_STUDY_HELP),
+    study: str = typer.Option(None, help=_STUDY_HELP + " (default: none; give it or --estimator)"),
+    studies_dir: str = _studies_dir_option(),
     workload: str = typer.Option("mixed", help="held-out workload (shipped name or JSONL)"),
     fixed: str = typer.Option(None, help="fixed draft lengths to compare, e.g. 2,4,6 (default: the table's k and the config's)"),
     repeats: int = typer.Option(2, help="passes over the workload (median)"),
     max_tokens: int = typer.Option(32, help="cap on output tokens per request"),
-    limit: int = typer.Option(None, help="first N requests of the workload only"),
+    limit: int = typer.Option(None, help="first N requests of the workload only (default: all)"),
     out: str = typer.Option(None, help="directory for eval.json and the server log (default: next to the estimator)"),
 ):
-    """Throughput with the estimator vs the best single fixed draft length, same server, interleaved."""
+    """Measure the estimator against the best fixed draft length, on one server.
+
+    Requests alternate between the two; greedy outputs must match."""
     from pathlib import Path
 
     from autotune import estimator as est
 
     if not estimator and not study:
         _fail(ValueError("give --estimator FILE or --study STUDY"))
-    path = Path(estimator) if estimator else _study_path(study) / "estimator.json"
+    path = Path(estimator) if estimator else _study_path(study, studies_dir) / "estimator.json"
     try:
         ks = [int(k) for k in fixed.split(",")] if fixed else None
         if repeats < 1 or max_tokens < 1:

@@ -29,14 +29,15 @@ def load_options(name: str, url: str) -> tuple[plan.RunOptions, optuna.Study]:
 
 
 def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | None = None, budget: str | None = None,
-         gpu: str = "auto", live: bool = True, console=None) -> Outcome:
-    """Run trials of study `name` in storage `url` on this machine; returns what the study holds then."""
+         gpu: str = "auto", live: bool = True, console=None, studies_root: str | None = None) -> Outcome:
+    """Run trials of study `name` in storage `url` on this machine; returns what the study holds then.
+    Its logs and provenance go under `studies_root` of this machine (default: the studies folder)."""
     opts, study = load_options(name, url)
     budget_s = plan.parse_duration(budget) if budget else None
     if trials is not None and trials < 1:
         raise ValueError("--trials must be at least 1")
     opts = dataclasses.replace(opts, study=name, storage=url, resume=True, parallel=parallel, gpu=gpu, live=live,
-                               trials=trials or opts.trials, studies_root=None)
+                               trials=trials or opts.trials, studies_root=studies_root)
     p = plan.build(opts)  # this machine's hardware; the study's space, workload and load
     # What is left of the study's budget, counted from its first trial, unless this worker got its own.
     started = min((t.datetime_start.timestamp() for t in study.get_trials(deepcopy=False) if t.datetime_start),
