@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autotune.embedded.bundled import bundled_gguf_path
+from autotune.embedded.bundled import GET_A_MODEL, bundled_gguf_path
 from autotune.embedded.model import Linear, ModelArgs, Transformer, rope_tables
 from autotune.embedded.quantize import GGML_BLOCKS
 from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -81,7 +81,7 @@ def load_model(path: str | None = None, dtype: str = "float32", device: str = "c
         device = "cuda" if torch.cuda.is_available() else "cpu"
     file = bundled_gguf_path() if path is None else Path(path).expanduser()
     if not file.exists():
-        raise FileNotFoundError(f"model path {file} does not exist")
+        raise FileNotFoundError(f"model path {file} does not exist: {GET_A_MODEL}")
     blocks = None
     if file.is_dir():
         args, state, tokenizer = read_hf_dir(file, max_seq_len)

@@ -96,7 +96,8 @@ class LlamaCppAdapter(EngineAdapter):
 
     def use_binary(self, path):
         if binary_version(str(Path(path).expanduser())) is None:
-            raise ValueError(f"--engine-binary {path}: not a llama-server that runs here (`{path} --version` failed)")
+            raise ValueError(f"--engine-binary {path}: not a llama-server that runs here (`{path} --version` failed); "
+                             "bash setup.sh llamacpp builds one, which runs without --engine-binary")
         os.environ[BINARY_ENV] = str(Path(path).expanduser().resolve())  # every adapter of this run, and its children
 
     def missing(self) -> str:

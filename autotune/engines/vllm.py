@@ -168,7 +168,8 @@ class VLLMAdapter(EngineAdapter):
         python = str(Path(path).expanduser())
         if python_engine_version(python, self.name) is None:
             raise ValueError(f"--engine-binary {path}: not a Python that has vLLM (for vllm, name the interpreter of "
-                             "its environment, e.g. venv/bin/python)")
+                             "its environment, e.g. venv/bin/python); bash setup.sh vllm installs one, which runs "
+                             "without --engine-binary")
         os.environ[engine_python_env(self.name)] = python  # every adapter of this run, and its children
 
     def missing(self) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from autotune import predict
 from autotune.bench import load_workload, parse_slo
 from autotune.bench.runner import MEASURE_S
+from autotune.embedded.bundled import GET_A_MODEL
 from autotune.engines import get_adapter
 from autotune.engines.base import EngineAdapter
 from autotune.hardware import probe
@@ -123,7 +124,7 @@ def build(opts: RunOptions) -> Plan:
         raise ValueError("--trials must be at least 1")
     for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
         if path and not Path(path).exists():
-            raise ValueError(f"{flag} {path}: no such file or directory")
+            raise ValueError(f"{flag} {path}: no such file or directory; {GET_A_MODEL}")
     adapter = get_adapter(opts.engine)  # raises for an unknown engine
     if opts.engine_binary:
         adapter.use_binary(opts.engine_binary)
