@@ -31,6 +31,14 @@ def test_every_relative_link_points_to_an_existing_path(name):
     assert not broken, f"{name}: links to missing paths {broken}"
 
 
+def test_the_readme_shows_the_two_set_up_commands_ci_runs():
+    # .ci/run runs these two lines on a clean clone: the README must show them as they are
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci/run").read_text()
+    for line in ("bash setup.sh && autotune run --gpu auto", "bash setup.sh dev && python3 -m pytest -q"):
+        assert f"\n{line}\n" in readme, f"README.md lost the set-up command {line!r}"
+    assert "bash setup.sh dev && python3 -m pytest -q" in ci
+
+
 def test_every_benchmark_script_is_listed_in_the_benchmarks_readme():
     readme = (ROOT / "benchmarks/README.md").read_text()
     scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
