@@ -602,14 +602,17 @@ def estimator_fit(
 
     from autotune import estimator as est
 
+    directory = _study_path(study, studies_dir)
+    if not data and not directory.is_dir():  # else a collection pass would start for a study that is not there
+        _fail(ValueError(f"no study {study!r}: {directory} does not exist"))
     try:
         if data:
             rows = pd.read_parquet(data)
             fitted = est.fit(rows, source=f"rows {data}")
             fitted.info["engine_config"] = {"drafter": drafter, "draft_length": int(rows["k"].mode()[0])}
-            path = fitted.write(Path(out or _study_path(study, studies_dir)))
+            path = fitted.write(Path(out or directory))
         else:
-            path = est.fit_from_study(_study_path(study, studies_dir), out, collect_if_missing=collect,
+            path = est.fit_from_study(directory, out, collect_if_missing=collect,
                                       config={"drafter": drafter, "draft_length": 4}, stop_rule=stop_rule)
     except _estimator_errors() as e:
         _fail(e)
