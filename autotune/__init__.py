@@ -1,7 +1,31 @@
 """autotune: find, prove and hand over the fastest launch configuration of a speculative-decoding LLM server."""
+from importlib import metadata, resources
 from pathlib import Path
 
-__version__ = "0.1.0"
-
-# Data folders live beside the package (the design's top-level layout); installs are editable.
+# The source checkout around the package: its top-level folders are the source of truth for the shipped data,
+# and tests and benchmarks read theirs here. In an install it is only site-packages: nothing reads it there.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version() -> str:
+    try:
+        return metadata.version(__name__)
+    except metadata.PackageNotFoundError:  # a checkout run in place, never installed (provenance keeps its commit)
+        return "0+unknown"
+
+
+__version__ = _version()
+
+
+def package_path(*parts: str) -> Path:
+    """A file or folder shipped inside the package (schemas, workloads, data/, kernels), as a path: pip installs
+    wheels unpacked, so the package's resources are files."""
+    return Path(str(resources.files(__name__).joinpath(*parts)))
+
+
+def shipped_folder(name: str) -> Path:
+    """A top-level data folder ("search_spaces", "hardware_profiles"): the built package's copy (setup.py maps
+    the folder into it as autotune/<name>), else, running from the checkout or an editable install, the folder
+    itself."""
+    packaged = package_path(name)
+    return packaged if packaged.is_dir() else PROJECT_ROOT / name

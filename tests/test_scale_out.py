@@ -21,7 +21,7 @@ from autotune.cli import app
 from autotune.engines import get_adapter
 from autotune.hardware import CpuInfo, Hardware, classify_from_fixture, probe
 from autotune.space.space import load_space
-from autotune.study import loop, packing, parallel, plan, storage
+from autotune.study import loop, packing, parallel, plan
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hardware")
 
@@ -209,7 +209,7 @@ ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4
 
 @pytest.fixture
 def studies(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "STUDIES_DIR", tmp_path)
+    monkeypatch.setenv("AUTOTUNE_STUDIES_DIR", str(tmp_path))
     return tmp_path
 
 

@@ -78,7 +78,7 @@ def trials_of(outcome):
 
 @pytest.fixture
 def studies(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "STUDIES_DIR", tmp_path)
+    monkeypatch.setenv("AUTOTUNE_STUDIES_DIR", str(tmp_path))
     return tmp_path
 
 

@@ -5,7 +5,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent / "workloads"
+from autotune import package_path
+
+SHIPPED = package_path("bench", "workloads")
 APIS = ("chat", "completions")
 SHAREGPT_MAX_TOKENS = 1024  # cap on a ShareGPT reply's length, as output budget
 

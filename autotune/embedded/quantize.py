@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autotune import package_path
 from autotune.embedded.model import Transformer
 
-KERNEL_SOURCES = [Path(__file__).parent / "kernels" / name for name in ("gguf_linear.c", "attention.c")]
+KERNEL_SOURCES = [package_path("embedded", "kernels", name) for name in ("gguf_linear.c", "attention.c")]
 # ggml type -> name, weights per block, bytes per block (ggml's type_traits)
 GGML_BLOCKS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
                12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}

@@ -8,11 +8,11 @@ import re
 import subprocess
 import sys
 from importlib import metadata
-from pathlib import Path
 
+from autotune import package_path
 from autotune.predict.knobs import Knobs
 
-SCHEMA_DIR = Path(__file__).parent / "schemas"
+SCHEMA_DIR = package_path("engines", "schemas")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
 _SUFFIXED_INT = re.compile(r"^\d+(\.\d+)?(k|K|M|G|T|Ki|Mi|Gi|Ti)?$")
 # The draft checkpoint kind (predict.drafts.DRAFT_KINDS) each drafter family runs; the other families need
@@ -122,7 +122,7 @@ def engine_parser_verdicts(engine: str, arg_lists: list[list[str]], timeout_s: f
         if importlib.util.find_spec(engine) is None:
             return None
         python = sys.executable
-    source = (Path(__file__).parent / "real_parser.py").read_text()
+    source = package_path("engines", "real_parser.py").read_text()
     proc = subprocess.run([python, "-c", source, engine, "--batch"], input=json.dumps(arg_lists), capture_output=True,
                           text=True, timeout=timeout_s, check=False)
     try:

@@ -1,11 +1,10 @@
 """The fitted stop rule and caps in each deployed engine's own settings, as far as its pinned version
 accepts them (the data: autotune/engines/draft_stop.json, with what cannot be applied said per engine)."""
 import json
-from pathlib import Path
 
-import autotune.engines
+from autotune import package_path
 
-SUPPORT = Path(autotune.engines.__file__).with_name("draft_stop.json")
+SUPPORT = package_path("engines", "draft_stop.json")
 
 
 def engine_settings(rule: dict, tables: dict) -> dict:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from autotune import PROJECT_ROOT
+from autotune import shipped_folder
 
-PROFILES_DIR = PROJECT_ROOT / "hardware_profiles"
+PROFILES_DIR = shipped_folder("hardware_profiles")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 FP8_MODES = ("native", "marlin_w8a16", "none")
 FORM_FACTORS = ("sxm", "nvl", "pcie", "cpu")

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import yaml
 
+from autotune import package_path
 from autotune.predict.knobs import Knobs
 
-DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "acceptance.yaml"
+DATA_FILE = package_path("data", "acceptance.yaml")
 MAX_RATE = 0.99  # no drafted position is ever certain; keeps E finite and the inversions well posed
 # Self-drafters of the embedded engine: no published acceptance; its own measured accept lengths replace these.
 UNPUBLISHED = {

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from autotune import package_path
 from autotune.predict.knobs import Knobs
 from autotune.space.constraints import CHECKPOINT_FORMATS
 
-CHECKPOINTS_FILE = Path(__file__).resolve().parent.parent / "data" / "quantized_checkpoints.yaml"
+CHECKPOINTS_FILE = package_path("data", "quantized_checkpoints.yaml")
 HUB = "https://huggingface.co/"
 
 

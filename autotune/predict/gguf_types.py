@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 import yaml
 
-TYPES_FILE = Path(__file__).resolve().parent.parent / "data" / "gguf_types.yaml"
+from autotune import package_path
+
+TYPES_FILE = package_path("data", "gguf_types.yaml")
 GIB = 2**30
 UNQUANTIZED = ("F32", "F16", "BF16")  # types llama-quant.cpp's rules leave alone
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import yaml
 
-PRESETS_FILE = Path(__file__).resolve().parent.parent / "data" / "model_presets.yaml"
+from autotune import package_path
+
+PRESETS_FILE = package_path("data", "model_presets.yaml")
 
 
 @dataclass(frozen=True)

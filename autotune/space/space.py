@@ -34,9 +34,9 @@ from typing import Any
 
 import yaml
 
-from autotune import PROJECT_ROOT
+from autotune import shipped_folder
 
-SPACES_DIR = PROJECT_ROOT / "search_spaces"
+SPACES_DIR = shipped_folder("search_spaces")
 TYPES = ("int", "float", "categorical", "batch_sizes")
 DEVICES = ("cuda", "cpu")
 LOAD = "load"  # a seed's value for a `load: true` parameter: the value matched to the study's load

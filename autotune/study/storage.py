@@ -10,23 +10,27 @@ from pathlib import Path
 import optuna
 import pandas as pd
 
-from autotune import PROJECT_ROOT
 from autotune.engines import get_adapter
 from autotune.study import objectives, record
 from autotune.study.parallel import fail_stale, open_storage
-
-STUDIES_DIR = Path(os.environ.get("AUTOTUNE_STUDIES_DIR") or PROJECT_ROOT / "studies")  # tests point it elsewhere
 
 
 class StudyError(ValueError):
     """The study cannot be opened as asked (one-line message, nothing in storage is touched)."""
 
 
-def study_dir(name: str, root: Path | None = None) -> Path:
-    return Path(root or STUDIES_DIR) / name
+def studies_dir(chosen: str | Path | None = None) -> Path:
+    """Where studies live: `chosen` (the CLI's --studies-dir), else $AUTOTUNE_STUDIES_DIR, else ./studies of the
+    working directory; absolute, and looked up when asked, so that an installed autotune never writes into its
+    own package or source tree."""
+    return Path(chosen or os.environ.get("AUTOTUNE_STUDIES_DIR") or "studies").resolve()
 
 
-def default_storage(name: str, root: Path | None = None) -> str:
+def study_dir(name: str, root: str | Path | None = None) -> Path:
+    return studies_dir(root) / name
+
+
+def default_storage(name: str, root: str | Path | None = None) -> str:
     return f"sqlite:///{study_dir(name, root) / 'study.db'}"
 
 
