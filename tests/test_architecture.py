@@ -2,8 +2,12 @@
 in a cycle, and nothing outside autotune/engines/ branches on an engine's name (an engine is its
 adapter, its search space and its flag schema)."""
 import ast
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import typer
 
 from autotune import PROJECT_ROOT
 from autotune.engines import ENGINES, get_adapter
@@ -53,3 +57,87 @@ def test_every_registered_engine_has_its_three_files():
         assert load_space(name).engine == name  # search_spaces/<name>.yaml
         if name != "embedded":  # its schema is built from EngineConfig's fields
             assert (PACKAGE / "engines" / "schemas" / f"{name}-{adapter.version}.json").exists()
+
+
+# -- docs/architecture.md and docs/contributing.md, checked against the code ---------------------------
+ARCHITECTURE, CONTRIBUTING = PROJECT_ROOT / "docs" / "architecture.md", PROJECT_ROOT / "docs" / "contributing.md"
+FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+INLINE = re.compile(r"`([^`\n]+)`")
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s#]+)\)")
+# A repository path as the docs write one: relative, slash-separated, optionally a test (path::name).
+REPO_PATH = re.compile(r"[\w-][\w.-]*(?:/[\w.-]*)+(?:::\w+)?")
+# What a study writes under its own folder: named in the docs, never in the repository.
+STUDY_OUTPUTS = ("best/", "logs/", "requests/", "validation/", "studies/", "ci/", "estimator-eval/")
+
+
+def inline_code(text: str) -> list[str]:
+    return INLINE.findall(FENCED.sub("", text))
+
+
+def repository_paths(text: str) -> list[str]:
+    """The repository paths (and tests, path::name) a doc names in inline code."""
+    return [t for t in inline_code(text) if REPO_PATH.fullmatch(t) and not t.startswith(STUDY_OUTPUTS)]
+
+
+def defines(file: Path, function: str) -> bool:
+    return function in {f.name for f in ast.parse(file.read_text()).body if isinstance(f, ast.FunctionDef)}
+
+
+def missing_paths(doc: Path) -> list[str]:
+    """What the doc names that is not there: a path, a test in its file, a relative link's target."""
+    text = doc.read_text()
+    missing = [link for link in MARKDOWN_LINK.findall(text) if not (doc.parent / link).exists()]
+    for named in repository_paths(text):
+        path, _, test = named.partition("::")
+        file = PROJECT_ROOT / path
+        if not (file.exists() and (not test or defines(file, test))):
+            missing.append(named)
+    return missing
+
+
+def test_every_path_and_test_the_docs_name_exists():
+    for doc in (ARCHITECTURE, CONTRIBUTING):
+        assert len(repository_paths(doc.read_text())) >= 20, f"{doc.name} names almost nothing: the test would prove nothing"
+        assert missing_paths(doc) == [], doc.name
+    # the check sees what is not there, and leaves commands, URLs and a study's outputs alone
+    assert repository_paths("`autotune/engines/nope.py` `tests/test_cli.py::test_nope` `best/launch.sh` "
+                            "`/admin/runtime` `bash setup.sh vllm` `https://x.org/a`") == [
+        "autotune/engines/nope.py", "tests/test_cli.py::test_nope"]
+
+
+def contract_layers() -> list[set[str]]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: import-linter's own TOML reader
+        import tomli as tomllib
+    contracts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    return [{name.strip() for name in layer.split(":")} for layer in layers]
+
+
+def test_the_layers_architecture_md_names_are_the_import_contracts():
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    named = [set(re.findall(r"`(autotune(?:\.\w+)?)`", row.split("|")[2])) for row in rows]
+    assert named == contract_layers()
+
+
+def test_every_package_and_module_of_autotune_is_in_architecture_md():
+    named = set(inline_code(ARCHITECTURE.read_text()))
+    parts = [f"autotune/{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
+    parts += [f"autotune/{p.name}" for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert len(parts) >= 15
+    assert sorted(p for p in parts if p not in named) == []
+
+
+def test_the_engines_named_are_the_registered_adapters():
+    line = next(line for line in ARCHITECTURE.read_text().splitlines() if line.startswith("Registered engines:"))
+    assert set(re.findall(r"`(\w+)`", line)) == set(ENGINES)
+    # contributing.md tells a new engine to add itself to --engine's help: every registered one is there
+    from autotune.cli import app
+
+    commands = typer.main.get_command(app).commands
+    for command in ("run", "estimate"):
+        engine_help = next(p.help for p in commands[command].params if p.name == "engine")
+        assert set(re.findall(r"\w+", engine_help)) >= set(ENGINES), command
