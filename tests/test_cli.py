@@ -90,6 +90,7 @@ def test_each_error_names_its_fix(tmp_path):
         ("vLLM Python not there", "run", "--engine", "vllm", "--engine-binary", "/nonexistent"): "bash setup.sh vllm",
         ("model not there", "run", "--model", "/nonexistent.gguf"): "hf download",
         ("model not there", "serve", "--model", "/nonexistent.gguf"): "hf download",
+        ("model not there", "estimate", "--model", "/nonexistent.gguf", "--gpu", "h100-sxm5"): "hf download",
     }
     for case, done in run_all({case: case[1:] for case in cases}, env=no_build).items():
         assert done.returncode == 2, (case, done.stderr)

@@ -7,8 +7,9 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_PRESET = "smollm2-135m"  # its model preset in autotune/data/model_presets.yaml
 # What an error about a missing model tells the user to do (any Hugging Face repo; on an air-gapped machine,
 # copy the folder over).
-GET_A_MODEL = ("download one with `hf download REPO --local-dir DIR` (one GGUF: `hf download REPO FILE.gguf "
-               "--local-dir DIR`), or leave --model out for the bundled SmolLM2-135M")
+DOWNLOAD_A_MODEL = ("download one with `hf download REPO --local-dir DIR` (one GGUF: `hf download REPO FILE.gguf "
+                    "--local-dir DIR`)")
+GET_A_MODEL = f"{DOWNLOAD_A_MODEL}, or leave --model out for the bundled SmolLM2-135M"
 
 
 def bundled_gguf_path() -> Path:

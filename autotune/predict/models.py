@@ -219,8 +219,10 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
         return _from_hf_config(config)
+    from autotune.embedded.bundled import DOWNLOAD_A_MODEL
+
     raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({', '.join(presets())}), "
-                     "an HF checkpoint directory, a .gguf file or a directory of them")
+                     f"an HF checkpoint directory, a .gguf file or a directory of them; {DOWNLOAD_A_MODEL}")
 
 
 def _from_hf_config(file: Path) -> ModelSpec:
