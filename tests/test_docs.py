@@ -17,6 +17,12 @@ INLINE = re.compile(r"`([^`\n]+)`")
 COMMAND = re.compile(r"(?:^|[\s;&|(])(?:autotune|-m autotune\.cli)[ \t]+([a-z][\w-]*)(?:[ \t]+([a-z][\w-]*))?")
 
 
+def heading_anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCED.sub("", doc.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def relative_links(doc: Path) -> list[str]:
     targets = (m.group(1) for m in MARKDOWN_LINK.finditer(doc.read_text()))
     return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
@@ -29,6 +35,9 @@ def test_every_relative_link_points_to_an_existing_path(name):
     assert links, f"{name} links nothing: the test would prove nothing"
     broken = [t for t in links if not (doc.parent / t.split("#")[0]).exists()]
     assert not broken, f"{name}: links to missing paths {broken}"
+    anchored = [t.split("#") for t in links if "#" in t and t.split("#")[0].endswith(".md")]
+    dangling = [f"{path}#{anchor}" for path, anchor in anchored if anchor not in heading_anchors(doc.parent / path)]
+    assert not dangling, f"{name}: links to headings that do not exist {dangling}"
 
 
 def test_the_readme_shows_the_two_set_up_commands_ci_runs():
