@@ -159,7 +159,10 @@ def config_args(config: dict, schema: dict) -> list[str]:
 
     Keys are the engine's option names (dests); None and "none" mean the flag is left out.
     """
-    by_dest = {o["dest"]: o for o in schema["options"]}
+    by_dest = {}
+    for o in schema["options"]:  # a dest's deprecated aliases (sglang 0.5.17's --cuda-graph-max-bs) never win
+        if o["dest"] not in by_dest or by_dest[o["dest"]]["deprecated"]:
+            by_dest[o["dest"]] = o
     args = []
     for key, value in config.items():
         option = by_dest.get(key)
@@ -350,6 +353,11 @@ class EngineAdapter:
     def default_batch_tokens(self, gpu_mib: float, tp: int) -> int | None:
         """Tokens of the largest prefill chunk the engine picks on a GPU of gpu_mib MiB (None: not GPU-dependent)."""
         return None
+
+    def bundle_drops(self, cuda: int) -> dict[str, str]:
+        """`autotune bundle`: distributions the engine's requirements name that its server never imports on a GPU
+        of CUDA major `cuda`, each with why (they are left out of an offline bundle)."""
+        return {}
 
     def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None:
         """What the engine is told to load for a model preset (`given` is its name, not a path): the
