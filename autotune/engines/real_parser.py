@@ -17,6 +17,7 @@ import io
 import json
 import os
 import sys
+import types
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -38,20 +39,40 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _StandIn(types.ModuleType):
+    """An import-only stand-in module: every attribute is another stand-in (nothing of it runs)."""
+
+    __version__ = "0.0"  # what transformers compares before importing parts of torchvision
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self.__name__}.{name}")
+
+
 def _stub_missing_sglang_imports() -> _StubFinder | None:
-    if importlib.util.find_spec("triton") is not None:
+    missing = [m for m in ("triton", "torchvision") if importlib.util.find_spec(m) is None]
+    if not missing:
         return None
-    # torch decides "no triton" for itself first, so it never sees the stand-in.
-    import torch._dynamo
-    import torch._inductor.compile_fx  # noqa: F401
+    if "triton" in missing:  # torch decides "no triton" for itself first, so it never sees the stand-in.
+        import torch._dynamo
+        import torch._inductor.compile_fx  # noqa: F401
 
     root = importlib.util.find_spec("sglang").submodule_search_locations[0]
-    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", os.path.join(root, "_platform_stubs.py"))
+    path = os.path.join(root, "_platform_stubs.py")
+    if not os.path.exists(path):
+        # sglang 0.5.17 ships no stubs (0.5.23 does) and imports torchvision.io as it starts (srt/utils/common.py), and its
+        # configs register image processors, which transformers allows only with torchvision: both stood in now
+        finder = _StubFinder(_StandIn)
+        finder.roots.update(missing)
+        sys.meta_path.insert(0, finder)
+        return finder
+    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", path)
     stubs = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = stubs  # dataclasses in it look their module up by name
     spec.loader.exec_module(stubs)
     finder = _StubFinder(stubs._MockModule)
-    finder.roots.add("triton")
+    finder.roots.update(m for m in missing if m == "triton")
     sys.meta_path.insert(0, finder)
     return finder
 

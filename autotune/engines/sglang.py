@@ -1,5 +1,11 @@
-"""SGLang 0.5.23: config -> `python -m sglang.launch_server` argv, its cross-flag rules, and the
-settings it would actually run (read from sglang/srt/arg_groups/speculative_hook.py of that version).
+"""SGLang: config -> `python -m sglang.launch_server` argv, its cross-flag rules, and the settings it would
+actually run (read from sglang/srt/arg_groups/speculative_hook.py of 0.5.23, the data's pin).
+
+Which flags: the schema captured from the installed version's own parser (0.5.17: the release that pins the
+H200's torch 2.11.0; 0.5.23: the data's), else the newest captured one not newer than it; without SGLang here,
+the data's. Flags renamed between them (deprecated aliases of 0.5.17 that 0.5.23 dropped) are translated by each
+schema's "renames". Readiness is /health_generate: 503 while the server starts, then one generated token
+(entrypoints/http_server.py, health_generate, in both versions).
 
 Config keys are SGLang's own option names (`tp_size`, `speculative_num_steps`, ...); "none" or None
 leaves a flag out. Two quantization values are ours: `w8a16_fp8` = weight-only FP8 through the Marlin
@@ -8,7 +14,10 @@ kernels (`--quantization fp8` with SGLANG_FORCE_FP8_MARLIN=1; what fp8 does by i
 method SGLang resolves such a checkpoint to by itself where Marlin runs; the row names the checkpoint:
 autotune/predict/checkpoints.py).
 """
+import functools
 import sys
+
+from packaging.version import Version
 
 from autotune.engines.base import EngineAdapter, config_args, load_schema
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
@@ -47,6 +56,38 @@ MEMORY_BANDS = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024,
                 (90 * 1024, 8192, 256, 512), (160 * 1024, 8192, 256, 512), (float("inf"), 16384, 512, 512))
 
 
+SCHEMA_VERSIONS = ("0.5.17", "0.5.23")  # captured parsers (autotune/engines/schemas/); the last is the data's pin
+# What `autotune bundle` leaves out of an offline SGLang install for a Hopper server: distributions the release's
+# requirements name that no module of a text server on CUDA 13 imports (sglang 0.5.17's sources: where each is
+# imported, and only there).
+NEVER_IMPORTED = {
+    "tokenspeed-mla": "only srt/layers/attention/tokenspeed_mla_backend.py (--attention-backend tokenspeed_mla, for "
+                      "MLA models); brings tokenspeed-triton, 95 MB",
+    "tilelang": "only kernels/ops/attention/dsa/tilelang_kernel.py (DeepSeek sparse attention); brings z3-solver",
+    "humming-kernels": "only srt/layers/quantization/humming*.py and moe_runner/humming.py (--quantization humming); "
+                       "its [cu13] extra brings pip's nvcc, nvvm and cccl, 127 MB",
+    "nvidia-mathdx": "only kernels/ops/lplb (the expert-placement solver of --enable-eplb, MoE expert parallelism)",
+    "mistral-common": "only srt/models/voxtral.py (an audio model); its numpy<2.4 pin would replace the machine's numpy",
+    "datasets": "only sglang/test and sglang/benchmark (evaluation data), never the server",
+    "modelscope": "only a lazy import in srt/model_loader/loader.py for SGLANG_USE_MODELSCOPE (ModelScope downloads: "
+                  "no network offline)",
+    "smg-grpc-servicer": "only srt/entrypoints/grpc_server.py (the gRPC server mode, not the HTTP one)",
+    "anthropic": "only sglang/lang/backend/anthropic.py (the frontend language's client of Anthropic's API)",
+    "outlines": "only srt/constrained/outlines_*.py (--grammar-backend outlines; xgrammar is the default)",
+}
+CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
+                                               "driver supports: cu13 on a CUDA 13 driver"}
+
+
+def schema_version(installed: str | None) -> str:
+    """The captured schema for an installed SGLang version: its own, else the newest one not newer (flags added
+    later are not offered to it), else the oldest; the data's pin where none is installed."""
+    if installed is None:
+        return SCHEMA_VERSIONS[-1]
+    older = [v for v in SCHEMA_VERSIONS if Version(v) <= Version(installed)]
+    return older[-1] if older else SCHEMA_VERSIONS[0]
+
+
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """Token counts SGLang captures prefill graphs for (cuda_graph_hook.generate_prefill_cuda_graph_batch_sizes)."""
     sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
@@ -60,7 +101,6 @@ def _dp_attention(c: dict) -> bool:
 
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
-    version = "0.5.23"
     entry = (sys.executable, "-m", "sglang.launch_server")
     default_port = 30000
     image = "lmsysorg/sglang:v{version}"
@@ -78,6 +118,21 @@ class SGLangAdapter(EngineAdapter):
     memory_pool = "static_fraction"
     graph_max_bs_default = 256
     needs_draft_model = {"speculative_algorithm": NEEDS_DRAFT_MODEL}
+
+    @functools.cached_property
+    def found_version(self) -> str | None:
+        """The SGLang version the entry's Python has (None: none)."""
+        return self.installed_version()
+
+    @property
+    def version(self) -> str:
+        return schema_version(self.found_version)
+
+    def health_url(self, base_url):
+        return base_url.rstrip("/") + "/health_generate"
+
+    def bundle_drops(self, cuda):
+        return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, env = dict(config), {}
