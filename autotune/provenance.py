@@ -14,18 +14,21 @@ from pathlib import Path
 import optuna
 import torch
 
-from autotune import __version__
+from autotune import PROJECT_ROOT, __version__
 from autotune.hardware import probe
 
 
 def commit() -> str | None:
     """The autotune commit that produced the numbers: the checkout's HEAD, else AUTOTUNE_COMMIT (the commit a
-    `git archive` export came from: it has no .git), else None."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10, check=False)
-    except OSError:
-        done = None
+    `git archive` export came from: it has no .git), else None. An installed package has no checkout, though
+    its venv may sit in some other project's repository."""
+    done = None
+    if (PROJECT_ROOT / ".git").exists():
+        try:
+            done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                  timeout=10, check=False)
+        except OSError:  # no git on this machine
+            pass
     return (done and done.returncode == 0 and done.stdout.strip()) or os.environ.get("AUTOTUNE_COMMIT") or None
 
 
