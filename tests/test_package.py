@@ -7,14 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from autotune import PROJECT_ROOT
 
-# What the build reads (setup.py maps the two top-level data folders into the package).
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "autotune", "search_spaces", "hardware_profiles")
+# What the build reads: setup.py maps the top-level data folders into the package.
+DATA_FOLDERS = ("search_spaces", "hardware_profiles")
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "autotune", *DATA_FOLDERS)
 # Run at start-up by every Python process of the venv (a .pth file imports it), the engine server the study
 # launches included: it writes down each path under $CHECKOUT that the process opens or lists.
 WATCH_CHECKOUT = '''import os, sys
@@ -85,6 +87,14 @@ def installed(tmp_path_factory) -> Install:
     (Path(site) / "watch_checkout.pth").write_text("import watch_checkout\n")
     install.work.mkdir()
     return install
+
+
+def test_the_wheel_carries_every_file_of_the_package_and_of_the_data_folders(installed):
+    package = PROJECT_ROOT / "autotune"
+    expected = {f"autotune/{p.relative_to(package).as_posix()}" for p in package.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
+    expected |= {f"autotune/{folder}/{p.name}" for folder in DATA_FOLDERS for p in (PROJECT_ROOT / folder).iterdir()}
+    assert sorted(expected - set(zipfile.ZipFile(installed.wheel).namelist())) == []
 
 
 def test_installed_package_reads_its_data_from_the_venv(installed):
