@@ -2,15 +2,16 @@
 from importlib import metadata, resources
 from pathlib import Path
 
-# The source checkout around the package: its top-level folders are the source of truth for the shipped data,
-# and tests and benchmarks read theirs here. In an install it is only site-packages: nothing reads it there.
+# The source checkout around the package: its top-level folders are the source of truth for the shipped
+# data, and tests and benchmarks read theirs here. In an install it is site-packages, with neither those
+# folders nor a .git.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _version() -> str:
     try:
         return metadata.version(__name__)
-    except metadata.PackageNotFoundError:  # a checkout run in place, never installed (provenance keeps its commit)
+    except metadata.PackageNotFoundError:  # a checkout run in place, never installed (provenance: its commit)
         return "0+unknown"
 
 
@@ -18,8 +19,8 @@ __version__ = _version()
 
 
 def package_path(*parts: str) -> Path:
-    """A file or folder shipped inside the package (schemas, workloads, data/, kernels), as a path: pip installs
-    wheels unpacked, so the package's resources are files."""
+    """A file or folder shipped inside the package (schemas, workloads, data/, kernels), as a path: pip
+    installs wheels unpacked, so the package's resources are files."""
     return Path(str(resources.files(__name__).joinpath(*parts)))
 
 
