@@ -16,6 +16,11 @@ CPU torch 2.13.0 and autotune itself; `--no-deps` keeps the engines' CUDA pins o
         apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
     /tmp/venv-sglang/bin/python scripts/capture_engine_schema.py sglang autotune/engines/schemas/sglang-0.5.23.json
 
+sglang 0.5.17 (the release that pins torch 2.11.0) the same way, with its own pins and two more of its imports:
+sglang==0.5.17 transformers==5.12.1 tokenizers==0.22.2 huggingface-hub==1.33.0 apache-tvm-ffi==0.1.11 httpx
+partial-json-parser xgrammar in place of the versioned ones above. It ships no `_platform_stubs.py` and imports
+torchvision as it starts; real_parser.py stands in for it (and for triton where absent).
+
     python3 -m venv --system-site-packages /tmp/venv-vllm
     /tmp/venv-vllm/bin/pip install --no-deps vllm==0.33.0 packaging huggingface-hub regex pydantic \
         pydantic-core typing-inspection annotated-types numpy cbor2 psutil pyzmq urllib3 tqdm httpx2 idna \
