@@ -2,6 +2,7 @@
 each option's default, errors that name their fix, and `--studies-dir` on the commands that keep studies.
 Each case runs the CLI as a user does (a subprocess); the cases of one test run side by side."""
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def test_each_error_names_its_fix(tmp_path):
         ("model not there", "serve", "--model", "/nonexistent.gguf"): "hf download",
         ("model not there", "estimate", "--model", "/nonexistent.gguf", "--gpu", "h100-sxm5"): "hf download",
     }
+    if importlib.util.find_spec("vllm") is None:  # else autotune's own Python runs vLLM: none is missing
+        cases[("no vLLM venv in the cache", "run", "--engine", "vllm")] = "bash setup.sh vllm"
     for case, done in run_all({case: case[1:] for case in cases}, env=no_build).items():
         assert done.returncode == 2, (case, done.stderr)
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, (case, done.stderr)
