@@ -200,6 +200,20 @@ def test_predicted_configurations_are_new_and_fit(studies):
     assert loop.predicted_configs(plan.build(plan.RunOptions(study="cpu", gpu="cpu", **SMALL)), study) == []
 
 
+def test_predicted_configurations_on_a_gpu_are_compiled_and_the_first_reuses_a_seeds_server():
+    """On the H200 the uncompiled engine runs 10-20x below the compiled one (benchmarks/results/h200-2026-12-02):
+    the model reads compile and CUDA graphs, so no predicted pick is eager; and among picks it cannot tell
+    apart, the first is a runtime-only change of a queued seed (a running server), not a new launch."""
+    for concurrency in (1, 4):
+        p = plan.build(plan.RunOptions(gpu="h200-sxm", study="queue", concurrency=concurrency, live=False))
+        queued = loop.planned_queue(p)
+        seeds = [c for kind, c in queued if kind == "seed"]
+        predicted = [c for kind, c in queued if kind == "predicted"]
+        assert len(predicted) == loop.PREDICTED_SEEDS
+        assert all(c["compile"] == "inductor" and c["cuda_graph_batch_sizes"] for c in predicted), predicted
+        assert min(loop.launch_distance(p.adapter, predicted[0], s) for s in seeds) == 0, (predicted[0], seeds)
+
+
 def cli(*args, env_dir, **kw):
     env = {**os.environ, "AUTOTUNE_STUDIES_DIR": str(env_dir)}
     return subprocess.Popen([sys.executable, "-m", "autotune.cli", "run", *args], stdout=subprocess.PIPE,
@@ -285,7 +299,7 @@ def test_plan_prints_the_space_and_seeds_fitted_to_an_h200_and_the_load(tmp_path
         assert space["verify_slots"].startswith(f"1..{max(4, concurrency)}") and space["threads"] == "= None"
         assert "gguf" not in space["quantization"]
         assert "seed      (the defaults)" in queued[3]  # after the fitted seeds on a GPU (validation measures it)
-        fast = [q for q in queued if "compile=inductor" in q]
+        fast = [q for q in queued if "compile=inductor" in q and " predicted " not in q]
         assert fast == queued[:3] and all(f"cuda_graph_batch_sizes={sizes}" in q and "dtype=bfloat16" in q for q in fast)
         assert "drafter" not in fast[0] and all("drafter=ngram" in q for q in fast[1:])
         assert ("verify_slots=8" in fast[0]) == (concurrency == 8)  # 4 slots are the default: not a change

@@ -65,7 +65,8 @@ class EmbeddedAdapter(EngineAdapter):
                      "autotune_spec_accepted_tokens_total")
     fingerprint_keys = ("cpu", "torch_threads", "fast_dtypes")
     needs_draft_model = {"drafter": ("draft_model",)}
-    modelled = ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization")
+    modelled = ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization", "compile",
+                "cuda_graph_batch_sizes")
     # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU
     # machine); with the weights it must fit default_memory_fraction of a GPU, or the available RAM.
     memory_pool = "slots"

@@ -10,6 +10,7 @@ trial behind, and `--resume` queues the seeds no trial has run yet.
 """
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from autotune.study.trial import Servers, run_trial
 MAX_IDLE_ASKS = 30  # trials in a row that measure nothing (rejected, duplicates): the space is exhausted
 PREDICTED_SEEDS = 3  # best predicted configurations enqueued after the seeds
 CALIBRATE_AFTER = 4  # measured trials before the speed model is refitted to this machine
+PREDICTION_RESOLUTION = 0.05  # predicted speeds closer than this (relative) are a tie
 
 
 class Stop:
@@ -180,15 +182,29 @@ def predicted_configs(p: Plan, study: optuna.Study, queued: list[dict] = ()) -> 
              for t in measured], p.model, profile, gpus, engine=p.adapter, draft=p.draft)
     known = {record.effective_key(p.adapter, t.user_attrs.get("config") or t.user_attrs.get("seed_config") or {}) for t in trials}
     known |= {record.effective_key(p.adapter, config) for config in queued}
+    ranked = predict.rank_configs(
+        p.space, p.model, profile, gpus, top=4 * PREDICTED_SEEDS, concurrency=p.opts.concurrency or 1,
+        engine=p.adapter, draft=p.draft, has_draft_model=bool(p.opts.draft_model), calibration=calibration)
+    # Predictions within a few percent of each other do not rank (the model is coarser than that): among them,
+    # the configuration closest to a queued or measured one goes first, since a runtime-only difference reuses
+    # a running server and a shared shape reuses a compile, where anything else is a launch (cold, for a compile).
+    anchors = [*queued, *(t.user_attrs["config"] for t in measured)]
+    speed = (lambda pr: pr.speed.concurrent_tok_s) if (p.opts.concurrency or 1) > 1 else (lambda pr: pr.speed.single_tok_s)
+    ranked.sort(key=lambda cp: (-math.floor(math.log(max(speed(cp[1]), 1e-9)) / math.log(1 + PREDICTION_RESOLUTION)),
+                                min((launch_distance(p.adapter, cp[0], a) for a in anchors), default=0)))
     out = []
-    for config, prediction in predict.rank_configs(
-            p.space, p.model, profile, gpus, top=4 * PREDICTED_SEEDS, concurrency=p.opts.concurrency or 1,
-            engine=p.adapter, draft=p.draft, has_draft_model=bool(p.opts.draft_model), calibration=calibration):
+    for config, prediction in ranked:
         key = record.effective_key(p.adapter, config)
         if key not in known and len(out) < PREDICTED_SEEDS:
             known.add(key)
             out.append((config, record.json_ready(prediction.to_dict())))
     return out
+
+
+def launch_distance(adapter, a: dict, b: dict) -> int:
+    """How many launch settings (not runtime knobs) two configurations differ in: 0 = one server runs both."""
+    x, y = adapter.effective(a), adapter.effective(b)
+    return sum(x.get(k) != y.get(k) for k in set(x) | set(y) if k not in adapter.runtime_params)
 
 
 def summarize(study: optuna.Study, objective: str, defaults: dict):
