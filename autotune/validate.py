@@ -22,7 +22,9 @@ Speculation makes runs vary, so the number of repeats follows the measured sprea
 does not beat the runner-up and the baseline beyond the noise (the 90% interval of its gain, Welch t
 on log values, excludes 1.0), each of them gets one more repeat on one more fresh launch, up to a
 cap. A race still open at the cap is a tie: both are in validation.json and the one with fewer
-settings changed from the engine defaults is exported.
+settings changed from the engine defaults is exported. A race the budget ends before the cap is a tie too,
+but the evidence is not in: the fastest by median is exported (on the H200 the simpler of such a pair ran
+5% slower, benchmarks/results/h200-2026-12-03c).
 
 `validate(study)` writes studies/<name>/best/validation.json and the per-request tables of every
 repeat to studies/<name>/validation/<label>-repeat-<r>.parquet.
@@ -365,7 +367,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     winner, warning = pick_winner(results, metric, direction)
     comparisons = [compare(winner, r, metric, direction, confidence, looks)
                    for r in rivals(ctx, winner, results, baseline, metric, direction)] if winner else []
-    chosen, tie = settle(ctx, winner, comparisons, results, baseline)
+    chosen, tie = settle(ctx, winner, comparisons, results, baseline, race_cut=budget_stop is not None)
     doc = {"study": ctx.name, "storage": ctx.storage, "engine": ctx.engine, "objective": ctx.objective,
            "metric": metric, "direction": direction, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "settings": {"top": top, "repeats": repeats, "max_repeats": max_repeats, "confidence": confidence,
@@ -524,10 +526,12 @@ def rivals(ctx: StudyContext, winner: dict, results: list[dict], baseline: dict,
     return out
 
 
-def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], results: list[dict], baseline: dict):
+def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], results: list[dict], baseline: dict,
+           race_cut: bool = False):
     """(the configuration to export, the tie or None). A winner that does not beat a rival beyond the noise
     ties with it; of the tied ones, the one closest to the engine defaults (fewest settings changed: the
-    simpler launch) is exported, the faster one on equal counts."""
+    simpler launch) is exported, the faster one on equal counts. `race_cut`: the budget ended the race
+    before its repeats were in, so the fastest by median is exported."""
     if winner is None:
         return None, None
     exportable = all(x.startswith("noisy:") for x in baseline.get("reasons", []))  # not flaky, SLOs met
@@ -537,12 +541,19 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
     group = [winner, *tied]
     metric, direction = ctx.primary()
     sign = -1 if direction == "maximize" else 1
-    chosen = min(group, key=lambda r: (len(ctx.adapter.effective(r["config"])), sign * r["stats"][metric]["median"]))
     changed = {r["label"]: sorted(ctx.adapter.effective(r["config"])) for r in group}
-    why = (f"{winner['label']} is fastest by median but does not beat {', '.join(r['label'] for r in tied)} beyond the "
-           f"noise; exported {chosen['label']}, the one with fewest settings changed from the engine defaults")
+    others = ", ".join(r["label"] for r in tied)
+    if race_cut:
+        chosen = winner
+        why = (f"{winner['label']} is fastest by median; the budget ended the race before it beat {others} beyond "
+               f"the noise; exported {winner['label']}, the fastest on the evidence in")
+    else:
+        chosen = min(group, key=lambda r: (len(ctx.adapter.effective(r["config"])), sign * r["stats"][metric]["median"]))
+        why = (f"{winner['label']} is fastest by median but does not beat {others} beyond the noise; exported "
+               f"{chosen['label']}, the one with fewest settings changed from the engine defaults")
     return chosen, {"between": [r["label"] for r in group], "trials": [r.get("trial") for r in group],
-                    "fastest": winner["label"], "exported": chosen["label"], "changed": changed, "why": why}
+                    "fastest": winner["label"], "exported": chosen["label"], "changed": changed,
+                    "race_cut": race_cut, "why": why}
 
 
 def contenders(results: list[dict], metric: str) -> list[dict]:

@@ -345,6 +345,9 @@ def test_a_tie_exports_the_configuration_closest_to_the_defaults():
     chosen, tie = validate.settle(ctx, fast, comparisons, [fast, plain], baseline)
     assert chosen is plain and tie["fastest"] == "trial-7" and tie["exported"] == "trial-0"
     assert tie["changed"]["trial-7"] == ["draft_length", "drafter", "verify_slots"]
+    # The budget ended the race before its repeats were in: the same tie, but the fastest by median is exported.
+    chosen, tie = validate.settle(ctx, fast, comparisons, [fast, plain], baseline, race_cut=True)
+    assert chosen is fast and tie["exported"] == "trial-7" and tie["race_cut"] and tie["between"] == ["trial-7", "trial-0"]
     # A clear winner is exported as it is.
     clear = {**fast, "runs": runs(150.0, 152.0, 149.0), "stats": stats(150.0, 152.0, 149.0)}
     assert validate.settle(ctx, clear, [validate.compare(clear, plain, "output_tok_s", "maximize", 0.9, 1)],
