@@ -101,6 +101,14 @@ def test_a_flag_the_installed_version_lacks_is_refused_in_one_line():
     assert config_args({"attn_dp_size": 2}, load_schema("sglang", "0.5.23")) == ["--attn-dp-size", "2"]
 
 
+def test_a_local_checkpoint_launches_offline(tmp_path):
+    adapter = adapter_at("0.5.17")
+    _, env = adapter.command({}, model=str(tmp_path), draft_model=None, host="127.0.0.1", port=1)
+    assert env == {"HF_HUB_OFFLINE": "1"}
+    _, env = adapter.command({"quantization": "w8a16_fp8"}, model="org/hub-model", draft_model=None, host="h", port=1)
+    assert env == {"SGLANG_FORCE_FP8_MARLIN": "1"}
+
+
 def test_readiness_acceptance_and_bundle_drops():
     adapter = adapter_at("0.5.17")
     # 503 while the server starts, then one generated token (http_server.py health_generate)

@@ -132,12 +132,16 @@ def sglang_errors(args: list[str]) -> list[str]:
     sglang_parser()  # installs the import stand-ins where needed
     from sglang.srt.server_args import prepare_server_args
 
-    server_args, errors = _parse(prepare_server_args, args)
+    try:  # sglang 0.5.17 resolves and validates as it builds ServerArgs (__post_init__); 0.5.23 in resolve_once
+        server_args, errors = _parse(prepare_server_args, args)
+    except Exception as e:  # noqa: BLE001 (the engine's verdict, whatever its exception type)
+        return [_one_line(f"sglang: {type(e).__name__}: {e}")]
     model = _value_of(args, "--model-path", "--model")
     # Validation reads the model's config.json: only possible for a local directory.
     if server_args is not None and model and os.path.isdir(model):
         try:
-            server_args.resolve_once()
+            if hasattr(server_args, "resolve_once"):
+                server_args.resolve_once()
             server_args.check_server_args()
         except Exception as e:  # noqa: BLE001 (the engine's verdict, whatever its exception type)
             errors.append(_one_line(f"sglang: {type(e).__name__}: {e}"))

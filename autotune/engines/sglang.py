@@ -16,6 +16,7 @@ autotune/predict/checkpoints.py).
 """
 import functools
 import sys
+from pathlib import Path
 
 from packaging.version import Version
 
@@ -135,7 +136,10 @@ class SGLangAdapter(EngineAdapter):
         return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
-        config, env = dict(config), {}
+        config = dict(config)
+        # a local checkpoint needs no hub: offline (the H200), a hub look-up fails or waits (sglang 0.5.17 also asks
+        # the hub for its FA3 kernels, kernels/ops/attention/flash_attention_v3.py, and falls back to sgl-kernel's)
+        env = {"HF_HUB_OFFLINE": "1"} if model and Path(model).is_dir() else {}
         if config.get("quantization") == "w8a16_fp8":
             config["quantization"], env["SGLANG_FORCE_FP8_MARLIN"] = "fp8", "1"
         # awq_marlin / gptq_marlin stay as given: the flag SGLang itself resolves an AWQ/GPTQ checkpoint to where
