@@ -560,12 +560,12 @@ def ci(
             typer.echo(line)
     raise typer.Exit(result["exit_code"])
 
-# -- autotune estimator fit / eval: the per-request draft-length estimator ------------------------------
 # -- autotune bundle: an engine's wheels for an offline (air-gapped) machine --------------------------
 from autotune.bundle.command import bundle  # noqa: E402 - grouped with its command, as serve's config is
 
 app.command()(bundle)
 
+# -- autotune estimator fit / eval: the per-request draft-length estimator ------------------------------
 estimator_app = typer.Typer(no_args_is_help=True, help="Fit and evaluate the runtime draft-length estimator.")
 app.add_typer(estimator_app, name="estimator")
 
