@@ -65,9 +65,9 @@ def trial_passes(trial: dict, model: ModelSpec, profile, engine: Engine, alphas:
 
 
 def _arrays(items):
-    """Per-pass arrays (count, mem, compute, comm, steps, kernels, eager kernels, speculative steps) and the
+    """Per-pass arrays (count, mem, compute, comm + fixed, steps, kernels, eager kernels, speculative steps) and the
     trial each belongs to."""
-    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s, p.steps, p.kernels, p.kernels if p.eager else 0, p.spec_steps)
+    rows = [(i, c, p.mem_s, p.compute_s, p.comm_s + p.fixed_s, p.steps, p.kernels, p.kernels if p.eager else 0, p.spec_steps)
             for i, (passes, _, _) in enumerate(items) for c, p in _merged(passes)]
     a = np.array(rows, dtype=float)
     return a[:, 0].astype(int), a[:, 1:]

@@ -129,6 +129,19 @@ def _weight_parts(model: ModelSpec, k: Knobs, tokens: int | None = None) -> tupl
     return linear, table * embedding, own_head
 
 
+def routed_read_bytes(model: ModelSpec, k: Knobs, tokens: int = 1) -> float:
+    """Of weights_read_bytes, the routed experts' share per GPU (0 for a dense model): the bytes a batch-1
+    fused-MoE kernel reads, priced apart by the speed model."""
+    return model.routed_read_params(tokens, k.ep) * linear_weight_bytes(model, k) / k.tp
+
+
+def linear_read_bytes(model: ModelSpec, k: Knobs, tokens: int = 1) -> float:
+    """Of weights_read_bytes, the decoder's linear layers per GPU outside the routed experts: what a
+    weight-only quantized GEMV reads."""
+    linear, _, _ = _weight_parts(model, k, tokens)
+    return linear / k.tp - routed_read_bytes(model, k, tokens)
+
+
 # Checkpoint formats that quantize only the routed experts: gpt-oss's MXFP4 keeps attention and router in
 # BF16 (its config.json quantization_config.modules_to_not_convert).
 EXPERT_ONLY_FORMATS = ("mxfp4",)

@@ -31,6 +31,8 @@ from autotune.predict.memory import (
     dense_layer_params,
     draft_layer_params,
     kv_bytes_per_token,
+    linear_read_bytes,
+    routed_read_bytes,
     weights_read_bytes,
 )
 from autotune.predict.models import ModelSpec
@@ -77,11 +79,12 @@ class Pass:
     eager: bool  # launched kernel by kernel (not replayed from a CUDA graph)
     steps: int = 1  # scheduler steps it closes (the verify pass 1; a draft pass 0: it runs inside the step)
     spec_steps: int = 0  # speculative steps it closes (the verify pass of a drafting config: 1)
+    fixed_s: float = 0.0  # time that does not scale with the hardware's rates (the fused-MoE kernels' fixed part)
 
     def seconds(self, c: Coefficients) -> float:
         return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s, c.kernel_s * self.kernels)
-                + self.comm_s + c.step_overhead_s * self.steps + (c.launch_s * self.kernels if self.eager else 0.0)
-                + c.spec_step_s * self.spec_steps)
+                + self.comm_s + self.fixed_s + c.step_overhead_s * self.steps
+                + (c.launch_s * self.kernels if self.eager else 0.0) + c.spec_step_s * self.spec_steps)
 
 
 @dataclass
@@ -128,22 +131,48 @@ def default_coefficients(profile) -> Coefficients:
 # activation, the fused down GEMM and moe_sum_reduce (sglang/srt/layers/moe/fused_moe_triton/fused_moe.py,
 # fused_experts_impl; vLLM's fused_moe.py alike): 7 kernels where a dense gated MLP launches 3.
 MOE_EXTRA_KERNELS = 4
+# A fused-MoE layer at small batch does not stream its experts like a dense GEMV: vLLM's benchmark_moe.py
+# timings of the whole fused_experts call for Qwen3-30B-A3B's shape (E=128, top-8, hidden 2048, N=768, bf16:
+# 75.5 MB of touched experts at batch 1), default configs, 109.21 us on an A100-PCIE-40GB (1555 GB/s,
+# vllm-project/vllm PR #19049 / sgl-project/sglang PR #6825, "Before this PR", batch 1) and 39.61 us on a B200
+# (8 TB/s, vllm-project/vllm PR #31448, "with default config", batch 1). Two GPUs, one line
+# t = fixed + bytes / (share x bandwidth): share 0.56, fixed 22.8 us per MoE layer (routing/alignment/sum
+# kernels and a grid too small to fill the GPU), used at every batch with the experts its tokens touch.
+MOE_BANDWIDTH_SHARE = 0.56
+MOE_FIXED_S = 22.8e-6
+# Weight-only quantized GEMVs at batch 1 reach a smaller share of the bandwidth than 16-bit ones (dequantizing
+# in the kernel): torchao's quantization README (pytorch/ao, torchao/quantization/README.md, Benchmarks, the
+# tinygemm int4 and inductor int8 kernels gpt-fast and the embedded engine use), achieved GB/s against bf16's:
+# A100-80GB Llama-2-7B int8wo 1131.18 / 1418.93 = 0.80, int4wo-64 751.42 / 1418.93 = 0.53; H100 Llama-3.1-8B
+# int8wo 1495.41 / 1904.75 = 0.79, int4wo-64 1019.14 / 1904.75 = 0.54. Marlin's AWQ/GPTQ kernels stay near the
+# ideal at batch 1 (MARLIN, arXiv:2408.11743: within ~5 % of the 3.87x ideal up to batch 16-32): not listed.
+WEIGHT_ONLY_BANDWIDTH_SHARE = {"int8": 0.79, "int4": 0.53}
 
 
 def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: float, attn_width: float,
               seqs: int, tokens: int, context: float, model: ModelSpec, k: Knobs, profile, eager: bool,
-              moe_layers: int = 0) -> Pass:
+              moe_layers: int = 0, routed_bytes: float = 0.0, linear_bytes: float = 0.0) -> Pass:
     """`tokens` new tokens spread over `seqs` sequences of `context` cached tokens; weights/params per GPU;
-    `moe_layers` of the `layers` run experts (MOE_EXTRA_KERNELS more each)."""
+    `moe_layers` of the `layers` run experts (MOE_EXTRA_KERNELS more each). On a GPU, of `weight_bytes` the
+    routed experts' `routed_bytes` are read at the fused-MoE kernel's share of the bandwidth (plus its fixed
+    time), and the linear layers' `linear_bytes` at a weight-only quantized GEMV's, relative to a dense
+    GEMV's (Coefficients.mem_scale)."""
     bw, peak, link, latency = _hardware(profile, k)
     mem = weight_bytes + seqs * context * kv_per_token
+    fixed = 0.0
+    if profile is not None and profile.is_gpu:
+        dense_share = 1 / Coefficients.mem_scale
+        mem += linear_bytes * (1 / WEIGHT_ONLY_BANDWIDTH_SHARE.get(k.quantization or "", 1.0) - 1)
+        if routed_bytes:
+            mem += routed_bytes * (dense_share / MOE_BANDWIDTH_SHARE - 1)
+            fixed = moe_layers * MOE_FIXED_S
     flops = 2 * params * tokens + 4 * layers * attn_width * context * tokens
     comm = 0.0
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
     kernels = layers * (KERNELS_PER_LAYER + k.extra_layer_kernels) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
-    return Pass(mem / bw, flops / peak, comm, kernels, eager)
+    return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed)
 
 
 def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
@@ -151,7 +180,8 @@ def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, con
     heads = model.attention_width * model.cache_layers / model.layers / k.tp
     weights = weights_read_bytes(model, k, tokens) + seqs * model.state_bytes_per_sequence(k.tp)  # states read once
     return make_pass(weights, model.active_params / k.tp, model.layers, kv_bytes_per_token(model, k),
-                     heads, seqs, tokens, context, model, k, profile, eager, model.moe_layers)
+                     heads, seqs, tokens, context, model, k, profile, eager, model.moe_layers,
+                     routed_read_bytes(model, k, tokens), linear_read_bytes(model, k, tokens))
 
 
 def draft_passes(model: ModelSpec, k: Knobs, profile, seqs: int, context: float, eager: bool,
