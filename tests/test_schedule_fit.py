@@ -1,0 +1,79 @@
+"""The draft-length schedule fit (autotune/study/schedule.py, issue 34 point 2): the choice on measurement
+rows with a known optimum, and the sweep on a live embedded engine writing a schedule the engine reads."""
+from autotune.bench import load_workload
+from autotune.embedded.draft_schedule import DraftSchedule
+from autotune.engines import get_adapter
+from autotune.engines.launcher import launch
+from autotune.study import schedule
+from autotune.study.schedule import Measurement, Phase
+
+
+def rows(k: int, batch: int, values: list[float], drafter: str = "ngram") -> list[Measurement]:
+    return [Measurement(drafter, k, batch, v) for v in values]
+
+
+def test_a_draft_that_wins_single_stream_and_loses_under_load_gives_two_rows(tmp_path):
+    measured = []
+    for batch, plain, drafted in ((1, 100, 150), (2, 180, 250), (4, 300, 240), (8, 500, 380)):
+        measured += rows(0, batch, [plain * 0.99, plain, plain * 1.01])
+        measured += rows(4, batch, [drafted * 0.99, drafted, drafted * 1.01])
+    measured += rows(4, 1, [999.0], drafter="early_exit")  # another drafter's row is not this schedule's
+    fit = schedule.fit(measured, "ngram", [Phase(1), Phase(2), Phase(4), Phase(8)])
+
+    assert fit.chosen == {1: 4, 2: 4, 4: 0, 8: 0}
+    assert [(r.max_batch, r.draft_length) for r in fit.schedule.rows] == [(2, 4), (8, 0)]
+    assert [fit.schedule.length_for(b) for b in (1, 2, 3, 8, 32)] == [4, 4, 0, 0, 0]
+    # on the ramp, each phase at its better k: beyond both fixed lengths
+    p = fit.prediction
+    assert p.fixed_tok_s == {0: 270.0, 4: 255.0} and p.best_fixed_k == 0
+    assert p.schedule_tok_s == (150 + 250 + 300 + 500) / 4 and round(p.ratio, 3) == round(300 / 270, 3)
+    assert fit.rows_text() == "1-2: k=4, 3+: off"
+
+    fit.write(tmp_path)
+    assert DraftSchedule.load(tmp_path / schedule.SCHEDULE_FILE) == fit.schedule
+    assert schedule.read_fit(tmp_path) == fit
+
+
+def test_differences_within_the_noise_keep_the_shorter_draft():
+    measured = []
+    for batch in (1, 8):
+        measured += rows(0, batch, [100.0, 101.0, 99.0])
+        measured += rows(4, batch, [120.0, 121.0, 119.0])  # beyond the noise of k = 0
+        measured += rows(8, batch, [121.5, 122.0, 121.0])  # 1% over k = 4: within it
+    fit = schedule.fit(measured, "ngram")
+    assert fit.chosen == {1: 4, 8: 4} and fit.schedule.rows[0].draft_length == 4 and len(fit.schedule.rows) == 1
+
+    one_each = rows(0, 1, [100.0]) + rows(4, 1, [102.0])  # one run each: the noise floor, not a zero interval
+    assert schedule.fit(one_each, "ngram").chosen == {1: 0}
+
+
+def test_cells_carry_medians_and_intervals():
+    (cell,) = schedule.cells_of(rows(2, 4, [90.0, 100.0, 110.0]), "ngram")
+    assert (cell.batch, cell.draft_length, cell.median, cell.runs) == (4, 2, 100.0, 3)
+    assert cell.low <= 97.0 and cell.high >= 103.0  # at least the noise floor either side
+
+
+def test_sweep_on_a_live_embedded_server_writes_a_schedule_the_engine_takes(tmp_path):
+    adapter = get_adapter("embedded")
+    config = {"drafter": "ngram", "draft_length": 4, "verify_slots": 2, "max_seq_len": 512, "threads": 1}
+    server = launch(adapter, config, log_path=tmp_path / "serve.log", timeout_s=180)
+    try:
+        workload = load_workload("code", 0)
+        configs = {k: {**config, "draft_length": k} for k in (0, 4)}
+        measured = schedule.measure_grid(adapter, server, "ngram", configs, [1, 2], workload=workload, repeats=1,
+                                         requests_per_stream=1, max_tokens=16)
+        assert sorted((m.batch, m.draft_length) for m in measured) == [(1, 0), (1, 4), (2, 0), (2, 4)]
+        assert all(m.output_tok_s > 0 for m in measured)
+        # plain decoding proposes nothing: its tokens per step are one; the drafted cells report their own
+        assert all(m.accept_length == 1.0 for m in measured if m.draft_length == 0)
+        assert all(m.accept_length is not None and m.accept_length >= 1.0 for m in measured if m.draft_length)
+
+        fit = schedule.fit(measured, "ngram")
+        path = fit.write(tmp_path)
+        loaded = DraftSchedule.load(path)
+        assert loaded.drafter == "ngram" and {loaded.length_for(b) for b in (1, 2)} <= {0, 4}
+        assert set(fit.chosen) == {1, 2} and fit.prediction is not None
+        # the running engine accepts the fitted schedule as it is
+        adapter.apply_runtime(server.base_url, {"draft_schedule": loaded.model_dump(mode="json")})
+    finally:
+        server.stop()
