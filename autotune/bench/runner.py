@@ -13,11 +13,11 @@ from rich.table import Table
 
 from . import server_metrics
 from .client import request_body, run_load
+from .load_profile import KEY_PREFIX, LoadProfile, Phase
 from .metrics import requests_frame, summarize
 from .resources import ResourceSampler
 from .slo import SLO, parse_slo
 from .workloads import Workload, load_workload, with_api
-
 
 # A warm-up wave this many times faster than the one before means one-time costs (compiling, capturing)
 # were still being paid: another wave follows.
@@ -251,3 +251,154 @@ def warm_up(server, workload: Workload, *, concurrency: int | None, max_tokens: 
         if errors or settled or (steady_s is not None and wave_s <= steady_s) or time.monotonic() - t0 >= request_timeout:
             break
     return {"warmup_s": round(time.monotonic() - t0, 3), "waves": waves, "sent": sent, "errors_by_kind": errors}
+
+
+# -- a load that changes: phases run back to back (bench/load_profile.py) ---------------------------------
+# Per load level, also stored flat (phase_c4_output_tok_s): what the schedule fit reads off a trial.
+LEVEL_METRICS = ("output_tok_s", "ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "accept_length", "completed")
+
+
+@dataclass
+class PhaseResult:
+    phase: Phase
+    summary: dict  # summarize() over its requests and wall time, with the server's acceptance over it
+
+
+@dataclass
+class ProfileResult:
+    requests: pd.DataFrame  # every measured request; `load_phase` its phase's index, `load_level` its label
+    summary: dict  # overall (pooled tokens / pooled wall time), the per-phase summaries under "phases",
+    #                per-level values flat (KEY_PREFIX + level + metric)
+    phases: list[PhaseResult]
+
+
+def run_profile(url: str, workload: Workload | str, profile: LoadProfile, *, warmup: int = 0, seed: int = 0,
+                max_tokens: int | None = None, slo: SLO | str | None = None, server_pid: int | None = None,
+                progress: bool = True, request_timeout: float = 120.0, extra_body: dict | None = None,
+                model: str | None = None, api: str | None = None, ignore_eos: bool = True) -> ProfileResult:
+    """Benchmark a server under `profile`: its phases back to back, each drained (its requests finish)
+    before the next starts, so a phase's requests, time and server counters are its own. Requests cycle
+    through the workload across phases. Overall throughput = tokens of all phases / the sum of their wall times."""
+    if isinstance(workload, str):
+        workload = load_workload(workload, seed)
+    if api is not None:
+        workload = with_api(workload, api)
+    slo = parse_slo(slo) if isinstance(slo, str) else slo
+    check_arguments(None, None, None, None, warmup, max_tokens, request_timeout)
+    url = base_url(url)
+    model = model or served_model(url)
+    bodies = [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
+    if warmup:  # as run_benchmark: from the end of the list, at the first phase's load
+        first = profile.phases[0]
+        tail = slice(len(bodies) - min(warmup, len(bodies)), None)
+        asyncio.run(run_load(url, workload.requests[tail], bodies[tail], concurrency=first.concurrency or 1,
+                             rate=None, num_requests=warmup, duration=None, seed=seed, request_timeout=request_timeout))
+    phases, frames, sent, stopped, t0 = [], [], 0, None, time.perf_counter()
+    first_scrape = last_scrape = server_metrics.scrape(url)
+    with ResourceSampler(server_pid) as sampler:
+        for number, phase in enumerate(profile.phases):
+            order = [(sent + k) % len(bodies) for k in range(len(bodies))]  # carry on where the last phase stopped
+            offset_s = time.perf_counter() - t0
+            with progress_bar(progress, phase.requests, phase.duration_s) as tick:
+                records, wall_s, stopped = asyncio.run(run_load(
+                    url, [workload.requests[k] for k in order], [bodies[k] for k in order],
+                    concurrency=phase.concurrency, rate=phase.rate, num_requests=phase.requests,
+                    duration=phase.duration_s, seed=seed + number, request_timeout=request_timeout, on_done=tick))
+            before, last_scrape = last_scrape, server_metrics.scrape(url)
+            for rec in records:  # workload positions, and send times on the profile's clock
+                rec.index, rec.start_s = order[rec.index], rec.start_s + offset_s
+            sent += len(records)
+            frame = requests_frame(records).assign(load_phase=number, load_level=phase.label)
+            frames.append(frame)
+            summary = {"phase": number, "load": str(phase), "level": phase.label, "concurrency": phase.concurrency,
+                       "rate": phase.rate, "sent": len(records), "stopped_early": stopped,
+                       **summarize(frame, wall_s, slo), **server_metrics.acceptance(before, last_scrape)}
+            phases.append(PhaseResult(phase, with_server_acceptance(summary)))
+            if stopped:  # the server is gone: later phases would only count connection errors
+                break
+    frame = pd.concat(frames, ignore_index=True)
+    wall_s = sum(p.summary["duration_s"] for p in phases)
+    summary = {"url": url, "model": model, "workload": workload.name, "load_profile": str(profile),
+               "concurrency": max(profile.concurrencies(), default=None), "rate": None, "seed": seed,
+               "warmup": warmup, "sent": sent, "stopped_early": stopped, **summarize(frame, wall_s, slo),
+               **server_metrics.acceptance(first_scrape, last_scrape),
+               "peak_gpu_mem_gb": sampler.peak_gpu_mem_gb, "peak_rss_gb": sampler.peak_rss_gb}
+    summary = with_server_acceptance(summary)
+    summary["slo"] = str(slo) if slo else None
+    summary["slo_violations"] = slo.check(summary) if slo else []
+    summary["slo_ok"] = not summary["slo_violations"]
+    summary["phases"] = [p.summary for p in phases]
+    summary.update(level_metrics(phases, frame, slo))
+    return ProfileResult(frame, summary, phases)
+
+
+def with_server_acceptance(summary: dict) -> dict:
+    """The server's accept length where the responses carried none (as run_benchmark does)."""
+    if summary["accept_length"] is None and summary["server_accept_length"] is not None:
+        summary.update(accept_length=summary["server_accept_length"], accept_rate=summary["server_accept_rate"],
+                       accept_source="metrics")
+    return summary
+
+
+def level_metrics(phases: list[PhaseResult], frame: pd.DataFrame, slo: SLO | None) -> dict:
+    """LEVEL_METRICS per load level (phases of one level pooled: their tokens over their summed wall time),
+    flat: {"phase_c4_output_tok_s": ..., ...}. Pooled accept length = tokens / verify steps of its phases."""
+    flat = {}
+    for level in dict.fromkeys(p.phase.label for p in phases):
+        mine = [p.summary for p in phases if p.phase.label == level]
+        pooled = summarize(frame[frame["load_level"] == level], sum(s["duration_s"] for s in mine), slo)
+        measured = [s for s in mine if s["accept_length"] and s["total_output_tokens"]]
+        steps = sum(s["total_output_tokens"] / s["accept_length"] for s in measured)
+        pooled["accept_length"] = sum(s["total_output_tokens"] for s in measured) / steps if steps else None
+        flat.update({f"{KEY_PREFIX}{level}_{name}": pooled[name] for name in LEVEL_METRICS})
+    return flat
+
+
+def phase_table(result: ProfileResult) -> Table:
+    """One row per phase, as `autotune bench --load-profile` prints it."""
+    table = Table(title=f"autotune bench: load profile {result.summary['load_profile']}")
+    for column in ("phase", "load", "completed / failed", "wall s", "output tok/s", "TTFT ms p50 / p99",
+                   "ITL ms p50 / p99", "accept length"):
+        table.add_column(column, justify="left" if column in ("phase", "load") else "right")
+    for p in result.phases:
+        s = p.summary
+        table.add_row(str(s["phase"]), s["load"], f"{s['completed']} / {s['failed']}", fmt(s["duration_s"]),
+                      fmt(s["output_tok_s"]), f"{fmt(s['ttft_ms_p50'])} / {fmt(s['ttft_ms_p99'])}",
+                      f"{fmt(s['itl_ms_p50'])} / {fmt(s['itl_ms_p99'])}", fmt(s["accept_length"], 2))
+    if result.summary["stopped_early"]:
+        table.caption = f"stopped early: {result.summary['stopped_early']}"
+    return table
+
+
+def overall_line(summary: dict) -> str:
+    return (f"overall: {summary['total_output_tokens']} tokens in {fmt(summary['duration_s'])} s of phases = "
+            f"{fmt(summary['output_tok_s'])} output tok/s; {summary['completed']} completed, {summary['failed']} "
+            f"failed; accept length {fmt(summary['accept_length'], 2)}")
+
+
+def measure_server_profile(server, workload: Workload, profile: LoadProfile, *, max_tokens: int | None,
+                           seed: int = 0, request_timeout: float | None = None):
+    """measure_server under a load profile: (summary as plain JSON data, per-request frame)."""
+    t0 = time.monotonic()
+    result = run_profile(server.base_url, workload, profile, max_tokens=max_tokens, seed=seed,
+                         server_pid=server.proc.pid, progress=False,
+                         **({"request_timeout": request_timeout} if request_timeout else {}))
+    summary = json_ready(dict(result.summary))
+    summary["profile_s"] = round(time.monotonic() - t0, 3)
+    return summary, result.requests
+
+
+def warm_up_profile(server, workload: Workload, profile: LoadProfile, **kwargs) -> dict:
+    """warm_up at each closed-loop level of the profile, lowest first (each batch size compiles and captures
+    its own shapes), merged into one record."""
+    merged = {"warmup_s": 0.0, "waves": [], "sent": 0, "errors_by_kind": {}}
+    for level in profile.concurrencies() or [1]:
+        warm = warm_up(server, workload, concurrency=level, **kwargs)
+        merged["warmup_s"] = round(merged["warmup_s"] + warm["warmup_s"], 3)
+        merged["waves"] += warm["waves"]
+        merged["sent"] += warm["sent"]
+        for kind, count in warm["errors_by_kind"].items():
+            merged["errors_by_kind"][kind] = merged["errors_by_kind"].get(kind, 0) + count
+        if warm["errors_by_kind"]:
+            break
+    return merged
