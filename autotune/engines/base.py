@@ -7,9 +7,12 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 from autotune import package_path
+from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.predict.knobs import Knobs
 
 SCHEMA_DIR = package_path("engines", "schemas")
@@ -182,6 +185,41 @@ def config_args(config: dict, schema: dict) -> list[str]:
     return args
 
 
+def schedule_departures(schedule: DraftSchedule, length: int, top_batch: int) -> str:
+    """Where one fixed draft `length` departs from `schedule` over the batches 1..top_batch an engine can run, as
+    "batch 1: 8, batches 5-8: 0" ("" where nowhere): what an engine of one fixed length loses."""
+    spans: list[list[int]] = []  # [first, last, k] of consecutive batches with the same differing k
+    for batch in range(1, top_batch + 1):
+        k = schedule.length_for(batch)
+        if k == length:
+            continue
+        if spans and spans[-1][1] == batch - 1 and spans[-1][2] == k:
+            spans[-1][1] = batch
+        else:
+            spans.append([batch, batch, k])
+    return ", ".join(f"batch {a}: {k}" if a == b else f"batches {a}-{b}: {k}" for a, b, k in spans)
+
+
+@dataclass(frozen=True)
+class ScheduleRendering:
+    """How one engine runs a draft-length schedule (EngineAdapter.schedule_args): settings merged into the launch
+    config before command(), flags added after its own, environment, files to write at the paths the flags name
+    (path -> text), and one plain sentence for each thing of the schedule the engine cannot express (none: the
+    engine runs the schedule as fitted)."""
+    config: dict = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    cannot_express: tuple[str, ...] = ()
+
+    def write_files(self) -> list[Path]:
+        written = []
+        for path, text in self.files.items():
+            Path(path).write_text(text)
+            written.append(Path(path))
+        return written
+
+
 class EngineAdapter:
     """Everything autotune knows of one engine: how to launch a config, its rules, what it would really
     run, and the facts the tuner, validation, export, report and ci need. Nothing outside
@@ -328,6 +366,29 @@ class EngineAdapter:
     def parser_verdicts(self, arg_lists: list[list[str]]) -> list[list[str]] | None:
         """The installed engine's own parser on each argument list (None: not installed where it can be asked)."""
         return engine_parser_verdicts(self.name, arg_lists)
+
+    def schedule_args(self, config: dict, schedule: DraftSchedule, *, directory: str | Path = ".") -> ScheduleRendering:
+        """`schedule` (batch size -> draft length, fitted for `config`'s drafter) in this engine's own terms; a file
+        it needs is named under `directory` (where the export writes launch.sh). ValueError (one line) where
+        `config` does not draft."""
+        raise NotImplementedError(f"the {self.name} adapter cannot export a draft-length schedule")
+
+    def scheduled_command(self, config: dict, schedule: DraftSchedule, *, model: str | None, draft_model: str | None,
+                          host: str, port: int, directory: str | Path = ".",
+                          extra_args: list[str] = ()) -> tuple[list[str], dict[str, str], ScheduleRendering]:
+        """command() of `config` running `schedule`: (argv, env, the rendering, whose files are not yet written)."""
+        rendering = self.schedule_args(config, schedule, directory=directory)
+        argv, env = self.command({**config, **rendering.config}, model=model, draft_model=draft_model, host=host,
+                                 port=port, extra_args=[*rendering.args, *extra_args])
+        return argv, {**env, **rendering.env}, rendering
+
+    def _drafting(self, config: dict) -> str:
+        """`config`'s drafter; ValueError where it drafts with none (a schedule has nothing to shorten)."""
+        drafter = config.get(self.draft_keys[0])
+        if drafter in (None, "none"):
+            raise ValueError(f"a draft-length schedule needs a drafter: the {self.name} configuration has "
+                             f"{self.draft_keys[0]} {drafter or 'unset'}")
+        return drafter
 
     def apply_runtime(self, base_url: str, runtime: dict) -> None:
         raise NotImplementedError(f"{self.name} cannot change settings on a running server; relaunch it")

@@ -18,7 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
-from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.engines.base import (
+    EngineAdapter,
+    ScheduleRendering,
+    config_args,
+    load_schema,
+    schedule_departures,
+)
 from autotune.hardware.gather import LLAMA_SERVER_ENV as BINARY_ENV
 from autotune.hardware.gather import llama_server_binary as find_binary  # the probe's lookup, one of it
 from autotune.predict.gguf_types import bytes_per_weight, read_header
@@ -48,6 +54,7 @@ FAMILY_KEYS = {"ngram-simple": "spec_ngram_simple_", "ngram-map-k": "spec_ngram_
                "ngram-map-k4v": "spec_ngram_map_k4v_", "ngram-mod": "spec_ngram_mod_"}
 KV_PAD = 256  # KV cells are allocated in multiples of this (see slot_tokens)
 MIN_SLOT_CONTEXT = 512  # tokens per slot below which a benchmark's prompts no longer fit
+AUTO_SLOTS = 4  # -np -1: "n_parallel is set to auto, using n_parallel = 4 and kv_unified = true" (build 11434's log)
 
 
 @functools.cache
@@ -145,6 +152,34 @@ class LlamaCppAdapter(EngineAdapter):
         args = config_args(config, load_schema(self.name, self.version))
         head = ["--model", file, "--host", host, "--port", str(port), "--metrics", "--no-webui"]
         return [*self.entry, *head, *args, *extra_args], {}
+
+    def schedule_args(self, config, schedule, *, directory="."):
+        """llama-server drafts one length at every batch size, so the nearest is the schedule's length at the batch
+        its -np slots make when all are busy (more never run at once): spec_draft_n_max for the types that draft
+        with a model (spec_draft_n_min kept at or below it); the n-gram types read no length (they draft what
+        their match and size_m give). Its only per-step shortening is the draft's confidence,
+        --spec-draft-p-min, which the tuned configuration keeps."""
+        spec = str(self._drafting(config))
+        slots = int(config.get("parallel") or -1)
+        slots = slots if slots > 0 else AUTO_SLOTS
+        length = schedule.length_for(slots)
+        departs = schedule_departures(schedule, length, slots)
+        where = f"the schedule's length at its {slots} slots (-np), where the schedule asks {departs}"
+        if not length:
+            off = f"llama-server drafts one length at every batch size: speculation is off at every batch, as {where}."
+            lost = (off,) if departs else ()
+            return ScheduleRendering(config=dict(self.speculation_off), cannot_express=lost)
+        if not set(spec.split(",")) & set(DRAFTS_WITH_MODEL):
+            unread = (f"llama-server's {spec} reads no draft length: it drafts what its n-gram match gives at every "
+                      f"batch size, where the schedule asks {schedule_departures(schedule, -1, slots)}.")
+            return ScheduleRendering(cannot_express=(unread,))
+        update = {"spec_draft_n_max": length}
+        if int(config.get("spec_draft_n_min") or 0) > length:
+            update["spec_draft_n_min"] = length
+        p_min = config.get("spec_draft_p_min") or 0.0
+        fixed = (f"llama-server drafts one length at every batch size: spec_draft_n_max {length}, {where}; it shortens "
+                 f"a draft only by the draft's confidence (--spec-draft-p-min {p_min}), not by the batch size.")
+        return ScheduleRendering(config=update, cannot_express=(fixed,) if departs else ())
 
     def check(self, config, hardware=None, *, has_draft_model=None):
         c = {k: v for k, v in config.items() if v is not None}

@@ -15,12 +15,19 @@ method SGLang resolves such a checkpoint to by itself where Marlin runs; the row
 autotune/predict/checkpoints.py).
 """
 import functools
+import json
 import sys
 from pathlib import Path
 
 from packaging.version import Version
 
-from autotune.engines.base import EngineAdapter, config_args, load_schema
+from autotune.engines.base import (
+    EngineAdapter,
+    ScheduleRendering,
+    config_args,
+    load_schema,
+    schedule_departures,
+)
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 # NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
@@ -51,6 +58,15 @@ DFLASH_DEFAULT_BLOCK = 16
 # _handle_dflash: "Max running requests is reset to 48 for speculative decoding").
 SPEC_MAX_RUNNING = 48
 SPEC_SHAPE = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+# --speculative-adaptive with --speculative-adaptive-config FILE (0.5.17 and 0.5.23 alike,
+# speculative/adaptive_spec_params.py): tiers keyed by the smallest batch each covers, {"1": {"candidate_steps":
+# [...]}, ...}; a decode step's batch, first padded up to the next decode CUDA-graph size, takes the tier of the
+# largest key <= it, whose EMA of acceptance picks among its candidates (one candidate: a fixed length). SGLang runs
+# it for EAGLE / EAGLE3 (NEXTN is EAGLE) with topk 1 only and turns it off beside the settings below
+# (adaptive_unsupported_reason); speculative_num_steps must be one of the candidates (speculative_hook.py).
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+ADAPTIVE_OFF_WITH = ("enable_dp_attention", "enable_two_batch_overlap", "enable_pdmux", "enable_multi_layer_eagle")
+ADAPTIVE_FILE = "sglang_adaptive.json"
 # sglang/srt/arg_groups/memory_hook.py (handle_gpu_memory_settings), by GPU memory in MiB: the upper bound
 # of each band, (chunked_prefill_size, decode CUDA-graph max batch for tp < 4, for tp >= 4).
 MEMORY_BANDS = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024, 4096, 32, 160),
@@ -98,6 +114,13 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 
 def _dp_attention(c: dict) -> bool:
     return bool(c.get("enable_dp_attention")) or (c.get("attn_dp_size") or 1) > 1
+
+
+def spec_decode_graph_sizes(max_bs: int) -> list[int]:
+    """Decode CUDA-graph batch sizes SGLang captures under speculation when the config lists none (0.5.23
+    arg_groups/cuda_graph_hook.py, generate_decode_cuda_graph_batch_sizes; 0.5.17 server_args.py, the same list)."""
+    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
 class SGLangAdapter(EngineAdapter):
@@ -156,6 +179,60 @@ class SGLangAdapter(EngineAdapter):
         args = config_args(config, load_schema(self.name, self.version))
         head = (["--model-path", model] if model else []) + ["--host", host, "--port", str(port), "--enable-metrics"]
         return [*self.entry, *head, *args, *extra_args], env
+
+    def schedule_args(self, config, schedule, *, directory="."):
+        """EAGLE / EAGLE3 / NEXTN at topk 1: --speculative-adaptive with one tier per schedule row, each of one
+        candidate (its length), so the tiers follow the batch size and never the acceptance EMA; what SGLang's
+        CUDA-graph padding moves is said. Any other drafter (or setting that turns adaptive off): one fixed length,
+        the schedule's at the server's most running requests."""
+        algo = self._drafting(config)
+        top = int(config.get("max_running_requests") or SPEC_MAX_RUNNING)
+        off = [key for key in ADAPTIVE_OFF_WITH if config.get(key)] + (["attn_dp_size"] if _dp_attention(config) else [])
+        topk = int(config.get("speculative_eagle_topk") or 1)
+        if algo in ADAPTIVE_ALGORITHMS and topk == 1 and not off and schedule.max_draft_length:
+            path = str(Path(directory) / ADAPTIVE_FILE)
+            starts = [1, *(row.max_batch + 1 for row in schedule.rows[:-1])]
+            tiers = {str(start): {"candidate_steps": [row.draft_length]} for start, row in zip(starts, schedule.rows)}
+            k = schedule.max_draft_length
+            update = {"speculative_adaptive": True, "speculative_adaptive_config": path, "speculative_num_steps": k,
+                      "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+            moved = self._padded(config, schedule, top)
+            lost = (f"SGLang pads a decode batch up to its next CUDA-graph size before it picks a tier, so {moved}.",)
+            return ScheduleRendering(config=update, files={path: json.dumps(tiers, indent=1) + "\n"},
+                                     cannot_express=lost if moved else ())
+        length = schedule.length_for(top)
+        departs = schedule_departures(schedule, length, top)
+        why = (f"SGLang turns --speculative-adaptive off beside {', '.join(off)}" if off else
+               f"SGLang's --speculative-adaptive runs only EAGLE / EAGLE3 at topk 1, not {algo}"
+               + (f" at topk {topk}" if topk != 1 else ""))
+        fixed = (f"{why}: one length runs at every batch size, {length} (0: no speculation), the schedule's at {top} "
+                 f"running requests (max_running_requests), where the schedule asks {departs}.")
+        lost = (fixed,) if departs else ()
+        if not length:
+            return ScheduleRendering(config=dict(self.speculation_off), cannot_express=lost)
+        if algo in ("NGRAM", "DFLASH"):  # a verify of the drafted tokens and the one after them
+            return ScheduleRendering(config={"speculative_num_draft_tokens": length + 1}, cannot_express=lost)
+        tree = 1 + topk + (length - 1) * topk * topk  # check(): the most tokens a tree of these steps offers
+        tokens = length + 1 if topk == 1 else min(int(config.get("speculative_num_draft_tokens") or tree), tree)
+        return ScheduleRendering(config={"speculative_num_steps": length, "speculative_eagle_topk": topk,
+                                         "speculative_num_draft_tokens": tokens}, cannot_express=lost)
+
+    @staticmethod
+    def _padded(config: dict, schedule, top: int) -> str:
+        """The batches up to `top` whose CUDA-graph padding lands in another row's tier ("" where none): with
+        graphs off or unpadded none; else the config's decode sizes, or SGLang's own up to its graph maximum
+        (assumed `top` where the config sets none: the most padding)."""
+        if config.get("disable_cuda_graph") or config.get("disable_cuda_graph_padding"):
+            return ""
+        sizes = sorted(config.get("cuda_graph_bs_decode") or
+                       spec_decode_graph_sizes(int(config.get("cuda_graph_max_bs_decode") or top)))
+        moved = []
+        for batch in range(1, top + 1):
+            padded = next((s for s in sizes if s >= batch), batch)
+            if schedule.length_for(padded) != schedule.length_for(batch):
+                moved.append(f"batch {batch} runs {schedule.length_for(padded)} (batch {padded}'s), not "
+                             f"{schedule.length_for(batch)}")
+        return "; ".join(moved)
 
     def check(self, config, hardware=None, *, has_draft_model=None):
         c = {k: v for k, v in config.items() if v is not None}

@@ -28,11 +28,19 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from autotune.engines.base import EngineAdapter, config_args, engine_parser_verdicts, load_schema
+from autotune.engines.base import (
+    EngineAdapter,
+    ScheduleRendering,
+    config_args,
+    engine_parser_verdicts,
+    load_schema,
+)
 from autotune.hardware.gather import engine_python, engine_python_env, python_engine_version
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
-SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+# the last: dynamic speculative decoding's schedule, [[first batch, last batch, k], ...] (schedule_args)
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", SCHEDULE_KEY)
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash", "mtp")
 NEEDS_DRAFT_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
 CPU_METHODS = ("ngram",)  # what the CPU build speculates with here (suffix needs arctic-inference, a CUDA package)
@@ -210,6 +218,26 @@ class VLLMAdapter(EngineAdapter):
             if config.get(key) is not None and (method == "ngram" or not key.startswith("prompt_lookup")):
                 spec[key] = config[key]
         return spec
+
+    def schedule_args(self, config, schedule, *, directory="."):
+        """Dynamic speculative decoding: `num_speculative_tokens_per_batch_size` in --speculative-config, a list of
+        (first batch, last batch, k) with inclusive ends (vllm 0.32.0 and 0.33.0 config/speculative.py; both
+        releases' v1/spec_decode/dynamic/utils.py, build_dynamic_sd_schedule_lookup, expand it per batch size for
+        the scheduler: the first range must start at 1, the last k carries on to max_num_seqs, each k is capped
+        at num_speculative_tokens, which must be > 0; a step's batch is the number of requests it schedules).
+        So rows (max_batch, k) map one to one, and num_speculative_tokens is the schedule's longest k."""
+        self._drafting(config)
+        if not schedule.max_draft_length:
+            return ScheduleRendering(config=dict(self.speculation_off))
+        starts = [1, *(row.max_batch + 1 for row in schedule.rows[:-1])]
+        ranges = [[start, row.max_batch, row.draft_length] for start, row in zip(starts, schedule.rows)]
+        lost = ()
+        if int(config.get("data_parallel_size") or 1) > 1:  # vllm/config/vllm.py, _maybe_disable_dynamic_sd_for_data_parallel
+            static = (f"vLLM turns the schedule off under data parallelism (data_parallel_size "
+                      f"{config['data_parallel_size']}): every batch drafts {schedule.max_draft_length} tokens.")
+            lost = (static,)
+        return ScheduleRendering(config={"num_speculative_tokens": schedule.max_draft_length, SCHEDULE_KEY: ranges},
+                                 cannot_express=lost)
 
     def config_keys(self):
         return super().config_keys() | set(SPEC_KEYS) | set(ENV_KEYS)  # the JSON's keys, flattened; environment
