@@ -11,11 +11,12 @@ import types
 from pathlib import Path
 
 import httpx
+import yaml
 
 from autotune import __version__
 from autotune.embedded import config as engine_config
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
-from autotune.engines.base import EngineAdapter, schema_errors
+from autotune.engines.base import EngineAdapter, ScheduleRendering, schema_errors
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 from autotune.predict.speed import KERNELS_PER_LAYER
 
@@ -23,6 +24,7 @@ CHOICES = engine_config.CHOICES
 DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
 DRAFT_KNOBS = ("draft_length", "draft_policy", "draft_estimator", "early_exit_layers", "ngram_min", "ngram_max",
                "draft_model")
+SCHEDULE_FILE = "draft_schedule.yaml"  # beside launch.sh (the name study/schedule.py writes best/ with)
 SERVE_ONLY = {"host": str, "port": int, "log_level": str}  # serve flags that are not EngineConfig fields
 # Kernels of one decoder layer run op by op (autotune/embedded/model.py, counted from forward): 2 RMSNorms
 # of 8 ops (float, pow, mean, add, rsqrt, mul, cast, weight), wqkv, rope of 6 ops (neg, cat, 2 mul, add,
@@ -125,6 +127,13 @@ class EmbeddedAdapter(EngineAdapter):
         if has_draft_model is not False:  # given at launch (or not known here): only its absence is a fault
             c["draft_model"] = c["draft_model"] or "--draft-model"
         return engine_config.rule_violations(engine_config.EngineConfig(**c))
+
+    def schedule_args(self, config, schedule, *, directory="."):
+        """`--draft-schedule FILE`: the engine applies the schedule itself at every step, as fitted."""
+        self._drafting(config)
+        path = str(Path(directory) / SCHEDULE_FILE)
+        text = yaml.safe_dump(schedule.model_dump(mode="json"), sort_keys=False)  # DraftSchedule.dump's YAML
+        return ScheduleRendering(config={"draft_schedule": path}, files={path: text})
 
     def effective(self, config):
         c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
