@@ -204,6 +204,8 @@ def run(
     num_requests: int = typer.Option(None, help="requests per benchmark (default: the engine's load)"),
     max_tokens: int = typer.Option(None, help="output tokens per request at most (default: the engine's load)"),
     min_measure: float = typer.Option(10.0, help="min seconds a benchmark lasts (0: as asked)"),
+    load_profile: str = typer.Option(None, help='every benchmark runs these phases, e.g. "ramp" or "1:20s,4:20s"; '
+                                                "objective: throughput pooled over them (default: one load)"),
     seed: int = typer.Option(0, help="seed of the sampler and the benchmark"),
     parallel: str = typer.Option("1", help="trials side by side: auto | N"),
     plan_only: bool = typer.Option(False, "--plan", help="print the plan (space, load, budget, first trials); "
@@ -225,7 +227,7 @@ def run(
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, min_measure_s=min_measure,
             gpu=gpu, seed=seed, studies_root=studies_dir,
-            parallel=parallel, engine_binary=engine_binary)
+            parallel=parallel, engine_binary=engine_binary, load_profile=load_profile)
         the_plan = plan.build(opts)
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))
@@ -303,6 +305,8 @@ def bench(
     ignore_eos: bool = typer.Option(True, help="ask the server to run to max_tokens (vLLM/SGLang extension)"),
     extra_body: str = typer.Option(None, help='JSON merged into every request, e.g. \'{"draft_length": 2}\' '
                                               "(default: none)"),
+    load_profile: str = typer.Option(None, help='phases back to back, e.g. "1:20s,4:20s,8:64req", "2/s:30s", '
+                                                '"ramp:1-16:60s" or "ramp" (default: none)'),
 ):
     """Benchmark an OpenAI-compatible server.
 
@@ -330,6 +334,10 @@ def bench(
     if api not in (None, "chat", "completions"):
         typer.echo(f"error: --api must be chat or completions, got {api!r}", err=True)
         raise typer.Exit(2)
+    if load_profile and any(v is not None for v in (concurrency, rate, sweep, duration, num_requests)):
+        typer.echo("error: --load-profile sets the load and length of each phase: drop --concurrency, --rate, "
+                   "--sweep, --duration and --num-requests", err=True)
+        raise typer.Exit(2)
     console = Console()
     try:
         loaded = load_workload(workload, seed)
@@ -340,6 +348,11 @@ def bench(
         console.print(f"workload {d['name']}: {d['requests']} requests {d['apis']}, prompt chars mean "
                       f"{d['prompt_chars_mean']} ({d['prompt_chars_min']}..{d['prompt_chars_max']}), max_tokens "
                       f"mean {d['max_tokens_mean']}, temperatures {d['temperatures']}")
+        if load_profile:
+            return _bench_profile(console, url, loaded, load_profile, out, warmup=warmup, seed=seed,
+                                  max_tokens=max_tokens, slo=parsed_slo, server_pid=server_pid,
+                                  request_timeout=request_timeout, extra_body=extra, model=model, api=api,
+                                  ignore_eos=ignore_eos)
         results = run_sweep(url, loaded, levels, rate=rate, num_requests=num_requests, duration=duration,
                             warmup=warmup, seed=seed, max_tokens=max_tokens, slo=parsed_slo, server_pid=server_pid,
                             request_timeout=request_timeout, extra_body=extra, model=model, api=api,
@@ -356,6 +369,23 @@ def bench(
         console.print(f"wrote {paths[0]} and {paths[1]}")
     if not any(r.summary["completed"] for r in results):
         typer.echo(f"error: no request completed: {results[-1].summary['errors_by_kind']}", err=True)
+        raise typer.Exit(1)
+
+
+def _bench_profile(console, url, workload, spec: str, out: str | None, **kwargs):
+    """`autotune bench --load-profile`: the phases back to back, a row each, then the pooled line."""
+    from autotune.bench import BenchResult, save_results
+    from autotune.bench.load_profile import parse_load_profile
+    from autotune.bench.runner import overall_line, phase_table, run_profile
+
+    result = run_profile(url, workload, parse_load_profile(spec), **kwargs)
+    console.print(phase_table(result))
+    console.print(overall_line(result.summary))
+    if out:
+        paths = save_results([BenchResult(result.requests, result.summary)], out)
+        console.print(f"wrote {paths[0]} and {paths[1]}")
+    if not result.summary["completed"]:
+        typer.echo(f"error: no request completed: {result.summary['errors_by_kind']}", err=True)
         raise typer.Exit(1)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from autotune import predict
 from autotune.bench import load_workload, parse_slo
+from autotune.bench.load_profile import LoadProfile, parse_load_profile
 from autotune.bench.runner import MEASURE_S
 from autotune.embedded.bundled import GET_A_MODEL
 from autotune.engines import get_adapter
@@ -23,7 +24,7 @@ from autotune.study.parallel import arrange
 
 DEFAULT_TRIALS = 25
 RUN_OPTIONS = ("workload", "slo", "concurrency", "num_requests", "max_tokens", "min_measure_s", "seed", "model",
-               "draft_model")
+               "draft_model", "load_profile")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RunOptions:
     live: bool = True
     parallel: int | str = 1  # trials side by side: a number or "auto" (autotune/study/parallel.py)
     engine_binary: str | None = None  # a user's own build of a binary engine (llama-server)
+    load_profile: str | None = None  # every trial's benchmark runs these phases (bench/load_profile.py)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Plan:
     shape: constraints.ModelShape | None
     model: predict.ModelSpec  # what the memory and speed predictions read
     draft: predict.ModelSpec | None
+    load_profile: LoadProfile | None = None  # opts.load_profile parsed; None: one load, sized to min_measure_s
 
 
 def parse_duration(text: str) -> float:
@@ -120,6 +123,7 @@ def user_space(adapter: EngineAdapter, space_file: str | None, sets: list[str], 
 def build(opts: RunOptions) -> Plan:
     """Resolve and validate every input; raises ValueError (one line) on anything unusable."""
     objectives.metrics(opts.objective)
+    profile = parse_load_profile(opts.load_profile) if opts.load_profile else None
     if opts.trials < 1:
         raise ValueError("--trials must be at least 1")
     for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
@@ -143,7 +147,7 @@ def build(opts: RunOptions) -> Plan:
     name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     directory = storage.study_dir(name, opts.studies_root)
     url = opts.storage or storage.default_storage(name, opts.studies_root)
-    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, model, draft)
+    return Plan(opts, name, url, directory, space, adapter, hardware, workload, slo, shape, model, draft, profile)
 
 
 def describe(p: Plan, queue: list[tuple[str, dict]]) -> list[str]:
@@ -153,7 +157,8 @@ def describe(p: Plan, queue: list[tuple[str, dict]]) -> list[str]:
     profile = getattr(p.hardware, "profile", None)
     lines = [f"plan: {o.engine} on {p.hardware.gpu_count} GPU(s), profile {profile.name if profile else 'none'} "
              f"({p.hardware.source}); workload {o.workload} at concurrency {o.concurrency}, {o.num_requests} requests "
-             f"of {o.max_tokens} tokens; " + (f"budget {o.budget_s:g} s, " if o.budget_s else "") + f"{o.trials} trials",
+             f"of {o.max_tokens} tokens; " + (f"load profile {p.load_profile}; " if p.load_profile else "")
+             + (f"budget {o.budget_s:g} s, " if o.budget_s else "") + f"{o.trials} trials",
              "", "space:"]
     width = max(map(len, p.space.params))
     for param in p.space.params.values():

@@ -23,7 +23,8 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict
-from autotune.bench.runner import measure_server, sized_load, warm_up
+from autotune.bench.load_profile import KEY_PREFIX
+from autotune.bench.runner import measure_server, measure_server_profile, sized_load, warm_up, warm_up_profile
 from autotune.bench.workloads import prompt_text
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space import constraints
@@ -146,7 +147,8 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
                          failure=f"cut at the run's budget (--budget) after {time.monotonic() - t_start:.0f} s: "
                                  f"{attrs.get('failure', 'no result yet')}")
         attrs["timings"] = {**attrs.get("timings", {}), "total_s": round(time.monotonic() - t_start, 3)}
-        flat = {k: v for k, v in (attrs.get("metrics") or {}).items() if k in record.FLAT_METRICS and v is not None}
+        flat = {k: v for k, v in (attrs.get("metrics") or {}).items()
+                if (k in record.FLAT_METRICS or k.startswith(KEY_PREFIX)) and v is not None}
         for k, v in record.json_ready({**attrs, **flat}).items():
             trial.set_user_attr(k, v)
         if constraint:
@@ -206,8 +208,10 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
     timeout, reference = quick_timeout(study, defaults=p.space.defaults())
     view.phase(trial.number, "warming up")
     try:
-        warm = warm_up(servers.server, p.workload, concurrency=opts.concurrency, max_tokens=opts.max_tokens,
-                       seed=opts.seed, request_timeout=opts.launch_timeout_s, steady_s=timeout)
+        load = {"max_tokens": opts.max_tokens, "seed": opts.seed, "request_timeout": opts.launch_timeout_s,
+                "steady_s": timeout}
+        warm = (warm_up_profile(servers.server, p.workload, p.load_profile, **load) if p.load_profile else
+                warm_up(servers.server, p.workload, concurrency=opts.concurrency, **load))
     except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
         kind = "crash" if not servers.alive() else "bench"
         servers.stop()
@@ -246,11 +250,17 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
                 return finish(TrialState.PRUNED, status=record.PRUNED,
                               failure=f"quick measurement {first[0]:.4g} in the bottom quarter of trials so far")
         view.phase(trial.number, "benchmarking")
-        asked = opts.num_requests or len(p.workload.requests)  # what run_benchmark sends when not told
-        attrs["timings"]["bench_requests"] = n = sized_load(asked, quick.get("duration_s"), quick_n, opts.concurrency or 1,
-                                                            opts.min_measure_s)
-        attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(quick, quick_n, n)
-        summary, requests = measure(p, servers, n, deadline_s=deadline)
+        if p.load_profile:  # the profile's phases set the load and its length; the objective is pooled over them
+            attrs["timings"]["bench_deadline_s"] = deadline = max(BENCH_DEADLINE_FLOOR_S, BENCH_DEADLINE_FACTOR
+                                                                  * p.load_profile.expected_s(quick["duration_s"],
+                                                                                              opts.concurrency or 1))
+            summary, requests = measure(p, servers, None, deadline_s=deadline)
+        else:
+            asked = opts.num_requests or len(p.workload.requests)  # what run_benchmark sends when not told
+            attrs["timings"]["bench_requests"] = n = sized_load(asked, quick.get("duration_s"), quick_n,
+                                                                opts.concurrency or 1, opts.min_measure_s)
+            attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(quick, quick_n, n)
+            summary, requests = measure(p, servers, n, deadline_s=deadline)
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=e.kind, failure=str(e))
@@ -304,7 +314,8 @@ def bench_deadline(quick: dict, quick_n: int, full_n: int) -> float:
 
 def measure(p: Plan, servers: Servers, num_requests: int | None, request_timeout: float | None = None,
             deadline_s: float | None = None):
-    """One benchmark run against the current server: (summary, per-request frame); raises
+    """One benchmark run against the current server (under p.load_profile when num_requests is None and
+    the plan has one): (summary, per-request frame); raises
     BenchFailure when the server dies, or ("timeout") when it is still running at deadline_s: then the
     server's process group is killed, which ends every request in flight (a stopped engine included)."""
     expired = threading.Event()
@@ -319,9 +330,14 @@ def measure(p: Plan, servers: Servers, num_requests: int | None, request_timeout
         watchdog.start()
     failure = None
     try:
-        summary, requests = measure_server(servers.server, p.workload, concurrency=p.opts.concurrency,
-                                           num_requests=num_requests, max_tokens=p.opts.max_tokens, seed=p.opts.seed,
-                                           request_timeout=request_timeout)
+        if num_requests is None and p.load_profile:
+            summary, requests = measure_server_profile(servers.server, p.workload, p.load_profile,
+                                                       max_tokens=p.opts.max_tokens, seed=p.opts.seed,
+                                                       request_timeout=request_timeout)
+        else:
+            summary, requests = measure_server(servers.server, p.workload, concurrency=p.opts.concurrency,
+                                               num_requests=num_requests, max_tokens=p.opts.max_tokens,
+                                               seed=p.opts.seed, request_timeout=request_timeout)
     except Exception as e:  # noqa: BLE001 - the client raises many kinds; what matters is whether the server lives
         kind = "crash" if not servers.alive() else "bench"
         failure = BenchFailure(kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
