@@ -220,7 +220,6 @@ def recorded_space(source) -> dict:
 def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WARM_START_TOP, console=None) -> dict:
     """A new study in the same storage, warm-started from the last one; validated. Returns
     {study, directory, enqueued, remembered_failures, validation, outcome}."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     source = warm_start_source(ctx)
     s = ref["settings"]
     name = f"{ctx.name}-ci-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -30,10 +30,24 @@ def _print_version(asked: bool) -> None:
         raise typer.Exit()
 
 
+def configure_output() -> None:
+    """Logging, warning filters and Optuna's verbosity, set once for every command here; library
+    modules leave them alone (a test calling them directly sees what Optuna says)."""
+    import warnings
+
+    import optuna
+
+    from autotune.study.optuna_compat import ASK_WITH_HEARTBEAT_WARNING
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would bury the live view
+    # Our ask/tell runners beat themselves (study/parallel.py); Optuna's warning is meant for optimize() users.
+    warnings.filterwarnings("ignore", message=ASK_WITH_HEARTBEAT_WARNING)
+
+
 @app.callback()
 def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                           help="Print the version and exit.")):
-    pass  # the options every command shares come before its name: only --version, so far
+    configure_output()  # the options every command shares come before its name: only --version, so far
 
 
 def _studies_dir_option():

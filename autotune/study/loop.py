@@ -21,7 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict, provenance
-from autotune.study import objectives, packing, record, storage
+from autotune.study import objectives, optuna_compat, packing, record, storage
 from autotune.study.budget import Budget, Prices
 from autotune.study.live import LiveView
 from autotune.study.parallel import HEARTBEAT_S, WAIT_S, Heartbeat, fail, fail_stale
@@ -79,7 +79,6 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget
     pairs such as ci's warm start), run the trial loop until `budget`'s search deadline (default: all of
     --budget for trials)."""
     opts = p.opts
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
     study, stale = storage.open_study(p.name, p.storage, objectives.metrics(opts.objective), sampler,
                                       objectives.make_pruner(opts.objective), opts.resume)
@@ -159,7 +158,6 @@ def seed_queue(p: Plan, study: optuna.Study, seeds: list[dict]) -> list[tuple[di
 def planned_queue(p: Plan) -> list[tuple[str, dict]]:
     """What a new study of this plan queues, in order, as (seed | predicted, config): `autotune run
     --plan`, computed against an in-memory study without launching anything."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(directions=objectives.directions(p.opts.objective))
     return [("predicted" if "predicted" in attrs else "seed", config)
             for config, attrs in seed_queue(p, study, p.space.seed_configs())]
@@ -272,7 +270,7 @@ class Fleet:
         except KeyboardInterrupt:
             self.aborted = True
             for trial in list(self.running.values()):
-                fail(study, trial._trial_id, "interrupted", "stopped by the user", status=record.INTERRUPTED)
+                fail(study, optuna_compat.trial_id(trial), "interrupted", "stopped by the user", status=record.INTERRUPTED)
             self.stop()
             raise
         if self.errors:
@@ -288,7 +286,7 @@ class Fleet:
                         frozen = run_trial(self.study, trial, self.p, servers, self.view, deadline=self.deadline())
                 except Exception as e:  # an abort (packing.Cancelled) or a storage error mid-trial
                     aborted = self.aborted
-                    fail(self.study, trial._trial_id, "interrupted" if aborted else "error", f"{type(e).__name__}: {e}",
+                    fail(self.study, optuna_compat.trial_id(trial), "interrupted" if aborted else "error", f"{type(e).__name__}: {e}",
                          status=record.INTERRUPTED if aborted else record.FAILED)
                     if aborted:
                         return

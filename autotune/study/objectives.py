@@ -49,9 +49,10 @@ def make_sampler(objective: str, seed: int | None = None, n_startup_trials: int 
     per sub-space instead of being sampled independently. Few random start-up trials: the seeds
     enqueued first already spread over the space, and each trial costs a launch. constant_liar: trials
     still running (parallel runners, other workers) count as bad, so workers don't all pick one spot."""
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # `group` is experimental
-    return optuna.samplers.TPESampler(
-        n_startup_trials=n_startup_trials, multivariate=True, group=True, constant_liar=True, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # `group` is experimental
+        return optuna.samplers.TPESampler(
+            n_startup_trials=n_startup_trials, multivariate=True, group=True, constant_liar=True, seed=seed)
 
 
 def make_pruner(objective: str) -> optuna.pruners.BasePruner:

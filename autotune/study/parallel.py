@@ -18,20 +18,16 @@ import warnings
 from pathlib import Path
 
 import optuna
-from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from autotune.space.constraints import cpu_cores
-from autotune.study import packing
+from autotune.study import optuna_compat, packing
 
 HEARTBEAT_S = int(os.environ.get("AUTOTUNE_HEARTBEAT_S", "10"))  # tests shorten it
 GRACE_S = 6 * HEARTBEAT_S  # silence after which a trial's runner counts as dead
 RUNNER = "autotune:runner"  # trial system attr: "host pid-namespace pid" of the process running it
 BEAT = "autotune:heartbeat"  # trial system attr: last heartbeat (JournalStorage only)
 WAIT_S = 1.0  # between looks at the study while the trials in flight could still complete it
-
-# We heartbeat ask/tell loops ourselves; Optuna warns that its heartbeat is meant for optimize().
-warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 def open_storage(url: str):
@@ -75,7 +71,7 @@ class Heartbeat:
     """`with Heartbeat(study, trial):` claims the trial for this process and beats while it runs."""
 
     def __init__(self, study: optuna.Study, trial: optuna.Trial):
-        self.storage, self.trial_id = study._storage, trial._trial_id
+        self.storage, self.trial_id = optuna_compat.storage_of(study), optuna_compat.trial_id(trial)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._beat, daemon=True)
 
@@ -87,8 +83,8 @@ class Heartbeat:
     def _beat(self):
         while True:
             try:
-                if isinstance(self.storage, BaseHeartbeat):
-                    self.storage.record_heartbeat(self.trial_id)
+                if optuna_compat.has_heartbeat(self.storage):
+                    optuna_compat.record_heartbeat(self.storage, self.trial_id)
                 else:
                     self.storage.set_trial_system_attr(self.trial_id, BEAT, time.time())
             except Exception:  # noqa: BLE001, S110 - the trial just finished, or the database blinked: the next beat retries
@@ -105,15 +101,14 @@ def stale_trials(study: optuna.Study, resume: bool = False) -> list:
     """RUNNING trials nobody runs any more: their runner process on this host is gone, or their
     heartbeat is older than GRACE_S. With `resume` also those no runner ever claimed (a bare
     `study.ask()`, or a run that predates heartbeats)."""
-    storage = study._storage
-    silent = set(storage._get_stale_trial_ids(study._study_id)) if is_heartbeat_enabled(storage) else None
+    silent = optuna_compat.stale_trial_ids(study)
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         runner = t.system_attrs.get(RUNNER)
         if runner is None:
             stale = resume
         elif silent is not None:
-            stale = t._trial_id in silent or _gone(runner)
+            stale = optuna_compat.trial_id(t) in silent or _gone(runner)
         else:
             last = t.system_attrs.get(BEAT) or t.datetime_start.timestamp()
             stale = time.time() - last > GRACE_S or _gone(runner)
@@ -129,14 +124,14 @@ def fail_stale(study: optuna.Study, resume: bool = False) -> int:
         runner = t.system_attrs.get(RUNNER)
         why = (f"its runner ({runner}) stopped: no heartbeat for {GRACE_S} s" if runner
                else "left running by a process that was killed")
-        if fail(study, t._trial_id, "stale", why):
+        if fail(study, optuna_compat.trial_id(t), "stale", why):
             failed += 1
     return failed
 
 
 def fail(study: optuna.Study, trial_id: int, kind: str, why: str, status: str = "failed") -> bool:
     """FAIL a running trial with its reason; False when it had finished meanwhile (another runner won)."""
-    storage = study._storage
+    storage = optuna_compat.storage_of(study)
     try:
         for key, value in (("status", status), ("failure_kind", kind), ("failure", why)):
             storage.set_trial_user_attr(trial_id, key, value)

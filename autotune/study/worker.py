@@ -14,7 +14,7 @@ import time
 import optuna
 
 from autotune import provenance
-from autotune.study import objectives, plan, storage
+from autotune.study import objectives, optuna_compat, plan, storage
 from autotune.study.budget import Budget
 from autotune.study.loop import Outcome, run_trials
 
@@ -43,8 +43,7 @@ def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | Non
     started = min((t.datetime_start.timestamp() for t in study.get_trials(deepcopy=False) if t.datetime_start),
                   default=time.time())
     spend = Budget(budget_s) if budget_s else (Budget(opts.budget_s, start=started) if opts.budget_s else None)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=study._storage,
+    study = optuna.load_study(study_name=name, storage=optuna_compat.storage_of(study),
                               sampler=objectives.make_sampler(opts.objective, seed=None),
                               pruner=objectives.make_pruner(opts.objective))
     if not (p.directory / "provenance.json").exists():
