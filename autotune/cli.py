@@ -225,6 +225,8 @@ def run(
     plan_only: bool = typer.Option(False, "--plan", help="print the plan (space, load, budget, first trials); "
                                                          "launch nothing"),
     estimator: bool = typer.Option(True, help="then fit the draft-length estimator"),
+    fit_schedule: bool = typer.Option(False, help="then fit a batch size -> draft length schedule for the winner "
+                                                  "(default: only when --load-profile varies the concurrency)"),
 ):
     """Tune an engine's launch configuration on this machine with an Optuna study.
 
@@ -241,7 +243,7 @@ def run(
             trials=trials, budget=budget, study=study, storage=storage, resume=resume, sets=set_ or [], space=space,
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, min_measure_s=min_measure,
             gpu=gpu, seed=seed, studies_root=studies_dir,
-            parallel=parallel, engine_binary=engine_binary, load_profile=load_profile)
+            parallel=parallel, engine_binary=engine_binary, load_profile=load_profile, fit_schedule=fit_schedule)
         the_plan = plan.build(opts)
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))

@@ -12,6 +12,8 @@ studies/<name>/best/ (or --out DIR):
   docker-run.sh   `docker run` of the engine's official image (adapter.image: lmsysorg/sglang,
                   vllm/vllm-openai); an engine without one gets none (launch.json says so).
   provenance.json the study's provenance plus what was exported from where.
+  draft_schedule.yaml  where the schedule was fitted for the winner (study/schedule.py): the engine's
+                  launch files carry it as far as the engine can express it; launch.sh says what it cannot.
 The winner comes from best/validation.json; a study never validated exports its best trial, marked so.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from autotune.engines.base import flag_lines
+from autotune.study.schedule import read_fit
 from autotune.study.storage import StudyContext, load_study
 
 FORMATS = ("sh", "yaml", "json", "docker")
@@ -66,6 +69,27 @@ def command(ctx: StudyContext, config: dict) -> tuple[list[str], dict[str, str]]
     return argv, env
 
 
+def with_schedule(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, str], directory: Path):
+    """(argv, env, the line launch.sh says, files written) carrying the draft-length schedule fitted for this
+    winner (best/draft_schedule_fit.json), in the engine's own terms (adapter.scheduled_command: its
+    schedule_args) with what it cannot express said; as given, with no line, where none was fitted for it."""
+    fitted = read_fit(ctx.best_dir)
+    if fitted is None or fitted.trial != pick["trial"]:
+        return argv, env, None, []
+    adapter, said = ctx.adapter, f"draft schedule (batch -> draft length): {fitted.rows_text()}"
+    try:
+        argv, env, rendering = adapter.scheduled_command(
+            pick["config"], fitted.schedule, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
+            port=adapter.default_port, directory=directory.resolve())
+    except NotImplementedError:  # an engine with no rendering yet: it runs the fixed draft length
+        return argv, env, f"{said}; {ctx.engine} cannot run it: launched with the fixed draft length", []
+    errors = adapter.validate_flags(argv)
+    if errors:
+        raise ValueError(f"the winner's flags with its draft schedule fail the {ctx.engine} schema: {'; '.join(errors)}")
+    cannot = "; ".join(rendering.cannot_express)
+    return argv, env, said + (f"; {ctx.engine} cannot express: {cannot}" if cannot else ""), rendering.write_files()
+
+
 # -- launch.sh -------------------------------------------------------------------------------------
 def comments(ctx: StudyContext, pick: dict) -> list[str]:
     prov, load = ctx.provenance, pick["settings"]
@@ -93,6 +117,8 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
         lines.append(f"WARNING: {pick['warning']}")
     if pick.get("tie"):
         lines.append(f"TIE: {pick['tie']['why']}")
+    if pick.get("schedule"):
+        lines.append(pick["schedule"])
     lines.append(f"hardware: {hardware_line(prov)}")
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions(prov).items() if v))
     if prov.get("model"):
@@ -208,7 +234,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
     argv, env = command(ctx, pick["config"])
     directory = Path(out) if out else ctx.best_dir
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
+    argv, env, pick["schedule"], written = with_schedule(ctx, pick, argv, env, directory)
 
     def write(name: str, text: str, mode: int = 0o644) -> None:
         path = directory / name
@@ -233,6 +259,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
                "address_flags": {"host": "127.0.0.1", "port": ctx.adapter.default_port},
                "metrics": pick["stats"], "gain_over_default": pick.get("gain"), "load": pick["settings"],
                "docker": docker, "docker_note": None if docker else f"no official image for the {ctx.engine} engine",
+               "draft_schedule": pick["schedule"],
                "hardware": hardware_line(ctx.provenance), "versions": versions(ctx.provenance)}
         write("launch.json", json.dumps(doc, indent=2, default=str) + "\n")
     provenance = {**ctx.provenance, "exported": {"written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "study": ctx.name,

@@ -2,7 +2,9 @@
 launches (validate), handed over as a script (export), the per-request acceptance the trials measured
 becomes a draft-length estimator with its runtime stop rule (estimator fit; a short traced pass where the
 setup runs on the embedded engine) and is measured against every fixed k (estimator eval), and all of it
-is explained (report, which draws the acceptance-vs-entropy curve).
+is explained (report, which draws the acceptance-vs-entropy curve). Where the study's load varies or the
+run asks (--fit-schedule), a draft-length schedule is fitted for the validated winner (batch size -> k,
+from a sweep on its server) before the export, which then carries it.
 
 Each step's failure is reported and the next still runs: a report without a validated winner still
 helps, and nothing the study recorded is lost.
@@ -16,6 +18,7 @@ from rich.console import Console
 from autotune import export, report, validate
 from autotune.estimator import evaluate_for_study, fit_from_study
 from autotune.estimator.live import measurable
+from autotune.study import schedule
 from autotune.study.budget import REPORT_S, Budget, Finish, Prices, minutes
 from autotune.study.storage import load_study
 
@@ -29,16 +32,23 @@ def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
         return None
     settings = {"top": validate.DEFAULT_TOP, "repeats": validate.DEFAULT_REPEATS, **p.adapter.finish_validation}
     passes = estimator and measurable(p.space.defaults())
-    return Budget(p.opts.budget_s, Finish(settings["top"], settings["repeats"], estimator_passes=passes), start=start)
+    varies = p.load_profile is not None and len(p.load_profile.concurrencies()) > 1
+    sweep = (schedule.planned_sweep(p.adapter, schedule.levels_for(p.load_profile, p.opts.concurrency),
+                                    p.opts.max_tokens or 1)
+             if (p.opts.fit_schedule or varies) and p.space.params.get(p.adapter.draft_keys[1] or "") else None)
+    return Budget(p.opts.budget_s, Finish(settings["top"], settings["repeats"], estimator_passes=passes, sweep=sweep),
+                  start=start)
 
 
 def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = validate.DEFAULT_TOP,
            repeats: int = validate.DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
            console=None, estimator: bool = True, budget: Budget | None = None, **validate_options) -> dict:
-    """validate -> export -> estimator fit -> estimator eval -> report. `run_options` (the tuner's RunOptions)
+    """validate -> draft-length schedule (when the load varies or run_options.fit_schedule) -> export ->
+    estimator fit -> estimator eval -> report. `run_options` (the tuner's RunOptions)
     supplies the study's SLO and load. `budget` (the run's): validation keeps to what the estimator's passes
     and the report leave it; the passes run only if what is left holds them (else the estimator is fitted on
-    the study's rows alone). Returns {"validation": doc | None, "exported": [paths], "report": path | None,
+    the study's rows alone), and the schedule's sweep likewise. Returns {"validation": doc | None,
+    "schedule": best/draft_schedule.yaml | None, "exported": [paths], "report": path | None,
     "estimator": path | None, "estimator_eval": eval.json path | None, "problems": [lines]}."""
     console = console or Console(stderr=True)
     if run_options is not None:
@@ -47,12 +57,31 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
     ctx = load_study(study, storage)
     prices = budget and Prices.of(ctx.study.get_trials(deepcopy=False), ctx.load["concurrency"] or 1)
     passes_s = budget.finish.estimator_s(prices) if prices and estimator and budget.finish else 0.0
+    sweep_s = budget.finish.sweep_s(prices) if prices and budget.finish else 0.0
     deadline = None
-    if prices:  # validation first: the estimator's passes keep their share only if a full first round fits too
-        full = budget.finish.validation_s(prices) + passes_s + REPORT_S if budget.finish else 0.0
-        deadline = budget.end - REPORT_S - (passes_s if budget.left() >= full else 0.0)
+    if prices:  # validation first: the estimator's passes and the sweep keep their share only if a full round fits
+        full = budget.finish.validation_s(prices) + passes_s + sweep_s + REPORT_S if budget.finish else 0.0
+        deadline = budget.end - REPORT_S - (passes_s + sweep_s if budget.left() >= full else 0.0)
+
+    def fit_schedule():
+        if not ((run_options is not None and run_options.fit_schedule) or schedule.load_varies(ctx)):
+            return None
+        pick = export.chosen(ctx)
+        if not schedule.drafts(ctx, pick["config"]):
+            out["problems"].append("schedule: the exported configuration does not draft; no schedule fitted")
+            return None
+        if prices and budget.left() < sweep_s + passes_s + REPORT_S:
+            out["problems"].append(f"schedule: not fitted; its sweep (~{sweep_s:.0f} s) did not fit in what was "
+                                   f"left of the budget ({budget.left():.0f} s)")
+            return None
+        end = budget.end - REPORT_S - passes_s if budget else None  # a sweep cut short fits what it measured
+        timeout = run_options.launch_timeout_s if run_options is not None else 300.0
+        schedule.fit_for_study(ctx, pick["config"], pick["trial"], deadline=end, launch_timeout_s=timeout)
+        return ctx.best_dir / schedule.SCHEDULE_FILE
+
     steps = [("validation", lambda: validate.validate(ctx, top=top, repeats=repeats, slo=slo, load=load,
                                                        console=console, deadline=deadline, **validate_options)),
+             ("schedule", fit_schedule),  # before the export: launch.sh carries it
              ("exported", lambda: export.export(ctx))]
 
     passes = {"run": True}  # the estimator's live passes: decided as its step starts, from the time left
@@ -70,8 +99,8 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
     if estimator:  # the per-request draft-length policy and stop rule, from the acceptance the trials measured
         steps += [("estimator", fit_estimator), ("estimator_eval", evaluate_estimator)]
     steps.append(("report", lambda: report.write_report(ctx)))  # last: it shows the estimator's curve
-    out = {"validation": None, "exported": [], "report": None, "estimator": None, "estimator_eval": None,
-           "problems": []}
+    out = {"validation": None, "schedule": None, "exported": [], "report": None, "estimator": None,
+           "estimator_eval": None, "problems": []}
     for name, step in steps:
         try:
             out[name] = step()
@@ -112,6 +141,9 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     best = directory / "best"
     if (best / "launch.sh").is_file():
         lines.append(f"launch: {best / 'launch.sh'}")
+    fitted = done.get("schedule") and schedule.read_fit(directory / "best")
+    if fitted:
+        lines.append(fitted.summary_line())
     if done.get("report"):
         lines.append(f"report: {done['report']}")
     lines.append(f"study: {storage} (optuna-dashboard {storage})")

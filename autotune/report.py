@@ -24,6 +24,7 @@ from plotly.subplots import make_subplots
 
 from autotune.export import hardware_line, versions
 from autotune.study.record import is_ok
+from autotune.study.schedule import read_fit
 from autotune.study.storage import StudyContext, load_study
 from autotune.validate import baseline_config
 
@@ -182,6 +183,44 @@ def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
     return fig
 
 
+def fig_schedule(ctx: StudyContext):
+    """Throughput vs batch size, one line per draft length, the fitted schedule's choice drawn over them; the
+    per-(batch, k) table (median, 90% interval, runs) in the hover."""
+    fit = read_fit(ctx.best_dir)
+    if fit is None:
+        return "no draft-length schedule fitted (autotune run --fit-schedule, or a --load-profile that varies)"
+    fig = go.Figure()
+    lengths = sorted({c.draft_length for c in fit.cells})
+    for i, k in enumerate(lengths):
+        cells = sorted((c for c in fit.cells if c.draft_length == k), key=lambda c: c.batch)
+        fig.add_scatter(x=[c.batch for c in cells], y=[c.median for c in cells], mode="lines+markers",
+                        name="plain (k=0)" if k == 0 else f"k={k}", line={"color": _color(i)},
+                        error_y={"type": "data", "symmetric": False, "array": [c.high - c.median for c in cells],
+                                 "arrayminus": [c.median - c.low for c in cells]},
+                        text=[f"{c.runs} runs, 90% {c.low:.4g}..{c.high:.4g}" for c in cells],
+                        hovertemplate="batch %{x}: %{y:.4g} tok/s<br>%{text}")
+    medians = {(c.batch, c.draft_length): c.median for c in fit.cells}
+    batches = sorted(fit.chosen)
+    fig.add_scatter(x=batches, y=[medians[(b, fit.chosen[b])] for b in batches], mode="lines+markers+text",
+                    name="schedule", text=[f"k={fit.chosen[b]}" for b in batches], textposition="top center",
+                    line={"color": "black", "width": 4, "dash": "dot"}, marker={"size": 12, "symbol": "star"})
+    fig.update_xaxes(title_text="batch size (streams in flight)", type="log", tickvals=batches)
+    fig.update_yaxes(title_text="output tok/s")
+    fig.update_layout(title=fit.summary_line())
+    return fig
+
+
+def schedule_table(ctx: StudyContext) -> str:
+    """The fit's cells: per batch size and draft length, the median, its interval and whether it was chosen."""
+    fit = read_fit(ctx.best_dir)
+    if fit is None:
+        return ""
+    rows = [[c.batch, c.draft_length, c.median, f"{c.low:.4g}..{c.high:.4g}", c.runs, c.accept_length, c.step_ms,
+             "chosen" if fit.chosen.get(c.batch) == c.draft_length else ""] for c in fit.cells]
+    return ("<h2>Draft-length schedule</h2>" + _table(["batch", "k", "output tok/s", "90% interval", "runs",
+                                                       "accept len", "step ms", ""], rows))
+
+
 def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame]):
     drafter_key, _ = ctx.adapter.draft_keys
     configs = dict(zip(df["number"], df["config"]))
@@ -320,6 +359,9 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
                      + ("" if validation else " (not validated: run `autotune validate`)"))
     for d in (validation or {}).get("demoted", []):
         lines.append(f"demoted trial {d['trial']}: {'; '.join(d['reasons'])}")
+    fit = read_fit(ctx.best_dir)
+    if fit:
+        lines.append(fit.summary_line() + "".join(f"; {note}" for note in fit.notes))
     return lines
 
 
@@ -360,6 +402,7 @@ def write_report(study: str | Path | StudyContext, *, storage: str | None = None
     builders = {"history": lambda: fig_history(ctx, df), "pareto": lambda: fig_pareto(ctx, df),
                 "importance": lambda: fig_importance(ctx, df), "draft_length": lambda: fig_draft_length(ctx, df),
                 "entropy": lambda: fig_entropy(ctx, df, frames), "stop_rule": lambda: fig_stop_rule(ctx),
+                "schedule": lambda: fig_schedule(ctx),
                 "latency": lambda: fig_latency(ctx, df, frames, validation)}
     figures = {}
     for name, build in builders.items():
@@ -383,7 +426,7 @@ def write_report(study: str | Path | StudyContext, *, storage: str | None = None
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(ctx, df, validation))
     doc = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>autotune report: {html.escape(ctx.name)}</title>"
            f"<style>{CSS}</style></head><body><h1>autotune report: {html.escape(ctx.name)}</h1><ul>{summary}</ul>"
-           + "".join(parts) + "<h2>Top configurations</h2>" + top_table(ctx, validation)
+           + "".join(parts) + schedule_table(ctx) + "<h2>Top configurations</h2>" + top_table(ctx, validation)
            + "<h2>All trials</h2>" + all_table(df) + f'<p class="note">{html.escape(pngs)}</p></body></html>')
     path.write_text(doc)
     return path

@@ -2,12 +2,14 @@
 
   finish  = validation's first round (the top configurations and the baseline, each one launch and `repeats`
             benchmarks) + the estimator's two passes (embedded setups: two launches, ~80 short requests)
+            + the draft-length schedule's sweep where the run fits one (study/schedule.py: a launch, a
+            benchmark per draft length, concurrency and repeat)
   search  = until end - finish, re-planned after every measured trial from what its launches and benchmarks
             cost on this machine (Prices); until two launches are known (the first is cold), a third of the
             budget is held back
 Each phase has a deadline it cannot overrun: a trial still running at the search's is cut (status budget:
 no verdict on its configuration), validation adds repeats only while they fit, the estimator's passes run
-only if they fit (else it is fitted on the study's own rows).
+only if they fit (else it is fitted on the study's own rows), the schedule's sweep stops at its deadline.
 """
 from __future__ import annotations
 
@@ -65,12 +67,28 @@ class Prices:
         return 1.2 * self.bench_s + (0.0 if reuses_server else self.warm_launch_s or 0.0)
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """The draft-length schedule's sweep: its launches and its benchmarks, each `stream_tokens` tokens a stream."""
+    launches: int
+    benchmarks: int
+    stream_tokens: int
+
+    def seconds(self, prices: Prices) -> float:
+        """At this machine's prices: a stream's tokens at the pace of the study's benchmarks (the sweep's
+        low concurrencies run faster a stream, its high ones slower: the study's level sits between)."""
+        per_token = prices.request_s / ESTIMATOR_TOKENS
+        return self.launches * prices.launch_s + self.benchmarks * self.stream_tokens * per_token
+
+
 @dataclass
 class Finish:
-    """What the run does after the search: validate (top + baseline, repeats each), then the estimator."""
+    """What the run does after the search: validate (top + baseline, repeats each), then the estimator and
+    the schedule's sweep."""
     top: int
     repeats: int
     estimator_passes: bool  # the setup runs on the embedded engine: two live passes
+    sweep: Sweep | None = None  # the draft-length schedule is fitted (--fit-schedule, a varying load)
 
     def validation_s(self, prices: Prices, configs: int | None = None, repeats: int | None = None) -> float:
         """The first round: `configs` configurations (default: the top and the baseline) launched once each."""
@@ -81,8 +99,11 @@ class Finish:
     def estimator_s(self, prices: Prices) -> float:
         return (ESTIMATOR_LAUNCHES * prices.launch_s + ESTIMATOR_REQUESTS * prices.request_s) if self.estimator_passes else 0.0
 
+    def sweep_s(self, prices: Prices) -> float:
+        return self.sweep.seconds(prices) if self.sweep else 0.0
+
     def seconds(self, prices: Prices, configs: int | None = None) -> float:
-        return self.validation_s(prices, configs) + self.estimator_s(prices) + REPORT_S
+        return self.validation_s(prices, configs) + self.estimator_s(prices) + self.sweep_s(prices) + REPORT_S
 
     def floor_s(self, prices: Prices, configs: int | None = None) -> float:
         least = FLOOR["top"] + 1 if configs is None else min(configs, FLOOR["top"] + 1)
@@ -127,9 +148,11 @@ class Budget:
             return (f"{total}: trials for about {minutes(search)}, then validation of the top {self.finish.top} "
                     f"({self.finish.repeats} benchmarks each on fresh launches)"
                     + (", the draft-length estimator's passes" if self.finish.estimator_passes else "")
+                    + (", the draft-length schedule's sweep" if self.finish.sweep else "")
                     + " and the report; re-planned as trials price launches and benchmarks here")
         return (f"{total}: trials until {minutes(search)}, validation ~{minutes(self.finish.validation_s(prices, configs))}"
                 + (f", estimator ~{minutes(self.finish.estimator_s(prices))}" if self.finish.estimator_passes else "")
+                + (f", schedule sweep ~{minutes(self.finish.sweep_s(prices))}" if self.finish.sweep else "")
                 + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here)")
 
 

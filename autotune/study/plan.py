@@ -54,6 +54,7 @@ class RunOptions:
     live: bool = True
     parallel: int | str = 1  # trials side by side: a number or "auto" (autotune/study/parallel.py)
     engine_binary: str | None = None  # a user's own build of a binary engine (llama-server)
+    fit_schedule: bool = False  # fit a draft-length schedule for the winner (also when the load profile varies)
     load_profile: str | None = None  # every trial's benchmark runs these phases (bench/load_profile.py)
 
 

@@ -30,11 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from autotune.bench import load_workload
+from autotune.bench.load_profile import LoadProfile, parse_load_profile
 from autotune.bench.runner import measure_server, warm_up
 from autotune.embedded.draft_schedule import DraftSchedule, ScheduleRow
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space.space import load_space
 from autotune.study import record
+from autotune.study.budget import Sweep
 from autotune.study.storage import StudyContext
 
 CONFIDENCE = 0.90
@@ -234,15 +236,28 @@ def predict(cells: tuple[Cell, ...], schedule: DraftSchedule, phases: list[Phase
 
 
 # -- measurements: the study's trials and the sweep --------------------------------------------------
-def phases_of(ctx: StudyContext) -> list[int]:
-    """The concurrencies of the load profile the study's trials ran (per-phase attrs), sorted; [] for none."""
-    levels = {int(m.group(1)) for t in ctx.study.get_trials(deepcopy=False) for key in t.user_attrs
-              if (m := PHASE_ATTR.fullmatch(key))}
-    return sorted(levels)
+def study_profile(ctx: StudyContext) -> LoadProfile | None:
+    """The load profile the study's trials ran (`--load-profile`), or None."""
+    spec = ctx.run_options.get("load_profile")
+    return parse_load_profile(spec) if spec else None
 
 
 def load_varies(ctx: StudyContext) -> bool:
-    return len(phases_of(ctx)) > 1
+    profile = study_profile(ctx)
+    return profile is not None and len(profile.concurrencies()) > 1
+
+
+def levels_for(profile: LoadProfile | None, concurrency: int | None) -> list[int]:
+    """The sweep's concurrencies: the load profile's closed-loop levels, else DEFAULT_LEVELS and the study's."""
+    levels = profile.concurrencies() if profile else []
+    return levels or sorted({*DEFAULT_LEVELS, int(concurrency or 1)})
+
+
+def phases_for(profile: LoadProfile | None, levels: list[int]) -> list[Phase]:
+    """What the prediction weighs: the profile's timed closed-loop phases, else each level an equal share."""
+    timed = [Phase(p.concurrency, p.duration_s) for p in (profile.phases if profile else ())
+             if p.rate is None and p.duration_s]
+    return timed or [Phase(c) for c in levels]
 
 
 def drafts(ctx: StudyContext, config: dict) -> bool:
@@ -275,25 +290,20 @@ def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
     return out
 
 
-def draft_grid(ctx: StudyContext, config: dict) -> list[int]:
+def draft_grid(adapter, winner_k: int | None = None) -> list[int]:
     """0, the winner's k and DRAFT_GRID inside the range the engine's space gives the draft length (the engine's
     range, not a user's narrowing: the schedule may want a k the search was kept from)."""
-    k_key = ctx.adapter.draft_keys[1]
-    param = load_space(ctx.engine).params.get(k_key)
+    param = load_space(adapter.name).params.get(adapter.draft_keys[1])
     low, high = (param.low, param.high) if param is not None and param.low is not None else (1, max(DRAFT_GRID))
-    return sorted({0, int(config[k_key]), *(k for k in DRAFT_GRID if low <= k <= high)})
+    return sorted({0, *([int(winner_k)] if winner_k else []), *(k for k in DRAFT_GRID if low <= k <= high)})
 
 
-def sweep_levels(ctx: StudyContext) -> list[int]:
-    """The load profile's concurrencies where one ran, else DEFAULT_LEVELS and the study's concurrency."""
-    return phases_of(ctx) or sorted({*DEFAULT_LEVELS, int(ctx.load.get("concurrency") or 1)})
-
-
-def sweep_size(ctx: StudyContext, config: dict, levels: list[int], repeats: int = SWEEP_REPEATS) -> tuple[int, int]:
-    """(launches, benchmarks) the sweep makes: one launch unless k cannot be changed on a running server."""
-    ks = draft_grid(ctx, config)
-    live = ctx.adapter.draft_keys[1] in ctx.adapter.runtime_params
-    return (1 if live else len(ks)), len(ks) * len(levels) * repeats
+def planned_sweep(adapter, levels: list[int], max_tokens: int, repeats: int = SWEEP_REPEATS) -> Sweep:
+    """What the sweep costs the budget before the winner is known (its own k may add one length): one launch
+    where the engine changes k live, else one per k; each cell's streams run REQUESTS_PER_STREAM requests."""
+    ks = len(draft_grid(adapter)) + 1
+    live = adapter.draft_keys[1] in adapter.runtime_params
+    return Sweep(1 if live else ks, ks * len(levels) * repeats, REQUESTS_PER_STREAM * max_tokens)
 
 
 def _config_at(ctx: StudyContext, config: dict, k: int) -> dict:
@@ -311,7 +321,7 @@ def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] |
     """measure_grid on servers of `config`'s launch settings: one, where the engine changes k live. ValueError
     (one line) when a server cannot start or dies."""
     adapter, drafter = ctx.adapter, config[ctx.adapter.draft_keys[0]]
-    ks = ks if ks is not None else draft_grid(ctx, config)
+    ks = ks if ks is not None else draft_grid(adapter, config[adapter.draft_keys[1]])
     workload = workload or load_workload(ctx.workload, ctx.load.get("seed") or 0)
     max_tokens = max_tokens or ctx.load.get("max_tokens")
     groups: dict[str, list[int]] = {}  # one server per launch configuration
@@ -369,15 +379,16 @@ def fit_for_study(ctx: StudyContext, config: dict, trial: int | None, *, levels:
     best/draft_schedule.yaml (and best/draft_schedule_fit.json). ValueError when the winner does not draft."""
     if not drafts(ctx, config):
         raise ValueError("the exported configuration does not draft: no draft-length schedule to fit")
-    levels = levels or sweep_levels(ctx)
+    profile = study_profile(ctx)
+    levels = levels or levels_for(profile, ctx.load.get("concurrency"))
     measured = sweep(ctx, config, levels, deadline=deadline, **sweep_options)
     measured += [m for m in from_trials(ctx, config) if m.batch in levels]  # a batch of no sweep has no rival k
     notes = ()
     swept = {(m.batch, m.draft_length) for m in measured if m.source == "sweep"}
-    wanted = {(c, k) for c in levels for k in sweep_options.get("ks") or draft_grid(ctx, config)}
+    ks = sweep_options.get("ks") or draft_grid(ctx.adapter, config[ctx.adapter.draft_keys[1]])
+    wanted = {(c, k) for c in levels for k in ks}
     if wanted - swept:
         notes = (f"the sweep measured {len(swept)} of {len(wanted)} cells before the budget's deadline",)
-    phases = [Phase(c) for c in levels]  # each concurrency an equal share of the time, as a ramp runs them
-    result = fit(measured, config[ctx.adapter.draft_keys[0]], phases, trial, notes)
+    result = fit(measured, config[ctx.adapter.draft_keys[0]], phases_for(profile, levels), trial, notes)
     result.write(ctx.best_dir)
     return result
