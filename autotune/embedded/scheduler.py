@@ -224,7 +224,7 @@ class Engine:
             if problems:
                 raise ValueError(problems[0])
             self.policy = DraftPolicy(new["draft_policy"], new["draft_length"], self.policy.estimator)
-            self.config.ngram_min, self.config.ngram_max = new["ngram_min"], new["ngram_max"]
+            self.config = replace(self.config, ngram_min=new["ngram_min"], ngram_max=new["ngram_max"])  # the caller's stays
             if isinstance(self.drafter, NgramDrafter):
                 self.drafter.ngram_min, self.drafter.ngram_max = new["ngram_min"], new["ngram_max"]
             return new

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autotune import predict
@@ -142,7 +142,8 @@ def build(opts: RunOptions) -> Plan:
     draft = predict.load_model(opts.draft_model) if opts.draft_model else None
     space = constraints.restrict_space(space, hardware, shape, opts.draft_model, adapter=adapter)
     space = fit_space(space, hardware, opts.concurrency)  # device knobs, native units, load-matched sizes
-    space, opts.parallel = arrange(space, hardware, opts.parallel, adapter)  # "auto" resolved; CPU threads shared
+    space, parallel = arrange(space, hardware, opts.parallel, adapter)  # "auto" resolved; CPU threads shared
+    opts = replace(opts, parallel=parallel)  # the plan's own options: the caller's stay as given
     workload = load_workload(opts.workload)
     slo = parse_slo(opts.slo) if opts.slo else None
     name = opts.study or f"{opts.engine}-{Path(opts.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"

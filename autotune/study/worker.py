@@ -50,6 +50,6 @@ def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | Non
         provenance.write(p.directory / "provenance.json", hardware=p.hardware, adapter=p.adapter, model=opts.model,
                          draft_model=opts.draft_model, workload=opts.workload, space_source=p.space.source)
     if live and console is not None:
-        console.print(f"worker joined study {name} ({url}): {opts.parallel} trial(s) at a time, "
+        console.print(f"worker joined study {name} ({url}): {p.opts.parallel} trial(s) at a time, "
                       f"until {opts.trials} measured trials")
     return run_trials(p, study, budget=spend, console=console)
