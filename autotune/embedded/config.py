@@ -17,6 +17,10 @@ STEP_ATTENTIONS = ("auto", "sdpa", "triton")
 # bucket (runner.prefill_buckets); off: prefill runs eagerly, tens of ms of kernel launches a chunk on a GPU.
 PREFILL_GRAPHS = ("on", "off")
 MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are captured up to k + 1 wide)
+# Sampling limits, the engine's and its OpenAI API's alike: temperature as OpenAI bounds it, a penalty
+# past which every seen token is all but banned.
+MAX_TEMPERATURE = 2.0
+MAX_REPETITION_PENALTY = 10.0
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
 RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
 CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,

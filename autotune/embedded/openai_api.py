@@ -4,7 +4,8 @@ Requests (`/v1/completions`, `/v1/chat/completions`) accept: `prompt` (a string,
 list holding one of those) or `messages` (each an object with `role` system | developer | user |
 assistant and `content`, a string or a list of text parts; `name` is ignored), `model` (a string:
 this server's model or empty), `max_tokens` (or `max_completion_tokens`, which wins when both are
-given), `temperature` [0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10],
+given), `temperature` [0, 2], `top_p` (0, 1], `top_k` (0 or -1 = off), `repetition_penalty` (0, 10] (the limits
+config.MAX_TEMPERATURE and MAX_REPETITION_PENALTY, the engine's own),
 `stop` (string or list; matched on the detokenized text, which is cut before it), `seed`, `ignore_eos`
 (vLLM/SGLang extension), `n` and `best_of` (1 only), `stream`, `stream_options` (only with stream:
 `include_usage`; `continuous_usage_stats` is accepted and ignored), and the extensions `draft_length`
@@ -51,7 +52,13 @@ from dataclasses import dataclass, field
 
 from jinja2.exceptions import TemplateError
 
-from autotune.embedded.config import MAX_DRAFT_LENGTH, GenerationEvent, SamplingParams
+from autotune.embedded.config import (
+    MAX_DRAFT_LENGTH,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    GenerationEvent,
+    SamplingParams,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 INT32_MAX = 2**31 - 1
@@ -250,10 +257,11 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
     top_k = _number(body, "top_k", 0, low=-1, high=INT32_MAX, integer=True)
     params = SamplingParams(
         max_tokens=0,  # set below, once the prompt's length is known
-        temperature=float(_number(body, "temperature", 0.0, low=0, high=2)),
+        temperature=float(_number(body, "temperature", 0.0, low=0, high=MAX_TEMPERATURE)),
         top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
         top_k=max(top_k, 0),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, low=0, high=10, low_open=True)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, low=0, high=MAX_REPETITION_PENALTY,
+                                          low_open=True)),
         ignore_eos=_flag(body, "ignore_eos"),
         seed=_number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True),  # torch takes int64
         draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),

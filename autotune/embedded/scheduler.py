@@ -19,6 +19,8 @@ import torch
 
 from autotune.embedded.config import (
     MAX_DRAFT_LENGTH,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
     RUNTIME_KNOBS,
     EngineConfig,
     GenerationEvent,
@@ -297,9 +299,10 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_seq_len:
             return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                     f"length of {self.max_seq_len} tokens")
-        if not (0 <= params.temperature <= 100 and 0 < params.top_p <= 1 and params.top_k >= 0
-                and params.repetition_penalty > 0):
-            return "need 0 <= temperature <= 100, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0"
+        if not (0 <= params.temperature <= MAX_TEMPERATURE and 0 < params.top_p <= 1 and params.top_k >= 0
+                and 0 < params.repetition_penalty <= MAX_REPETITION_PENALTY):
+            return (f"need 0 <= temperature <= {MAX_TEMPERATURE:g}, 0 < top_p <= 1, top_k >= 0, "
+                    f"0 < repetition_penalty <= {MAX_REPETITION_PENALTY:g}")
         if params.draft_length is not None and not 0 <= params.draft_length <= MAX_DRAFT_LENGTH:
             return f"draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {params.draft_length}"
         return None
