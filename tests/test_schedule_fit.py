@@ -1,11 +1,25 @@
-"""The draft-length schedule fit (autotune/study/schedule.py, issue 34 point 2): the choice on measurement
-rows with a known optimum, and the sweep on a live embedded engine writing a schedule the engine reads."""
+"""The draft-length schedule fit (autotune/study/schedule.py, issue 34 points 2 and 6): the choice on
+measurement rows with a known optimum, the sweep on a live embedded engine writing a schedule the engine
+reads, and `autotune run --fit-schedule`'s finish exporting a launch.sh that runs it."""
+import httpx
+from conftest import exported_server
+
+from autotune import export, pipeline, report
 from autotune.bench import load_workload
 from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.engines import get_adapter
 from autotune.engines.launcher import launch
-from autotune.study import schedule
+from autotune.study import loop, schedule
+from autotune.study import plan as planning
+from autotune.study.budget import ESTIMATOR_TOKENS, Budget, Finish, Prices, Sweep
 from autotune.study.schedule import Measurement, Phase
+from autotune.study.storage import load_study
+
+# A small study (see tests/test_study.py): one launch configuration that drafts, so both trials share a server.
+SMALL = {"workload": "code", "num_requests": 2, "quick_requests": 1, "concurrency": 2, "max_tokens": 8, "live": False,
+         "min_measure_s": 0}
+ONE_SERVER = ["drafter=ngram", "draft_length=4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",
+              "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
 
 
 def rows(k: int, batch: int, values: list[float], drafter: str = "ngram") -> list[Measurement]:
@@ -53,6 +67,20 @@ def test_cells_carry_medians_and_intervals():
     assert cell.low <= 97.0 and cell.high >= 103.0  # at least the noise floor either side
 
 
+def test_the_budget_prices_the_sweep_from_the_studys_benchmarks():
+    prices = Prices(warm_launch_s=20.0, cold_launch_s=60.0, bench_s=10.0, request_s=0.5 * ESTIMATOR_TOKENS)  # 0.5 s/token
+    planned = schedule.planned_sweep(get_adapter("embedded"), [1, 2, 4, 8], max_tokens=8)
+    # the embedded engine changes k live: one launch; 0, 2, 4, 8 and the winner's own k at 4 levels, twice
+    assert planned == Sweep(launches=1, benchmarks=5 * 4 * 2, stream_tokens=schedule.REQUESTS_PER_STREAM * 8)
+    assert planned.seconds(prices) == 20.0 + 40 * 16 * 0.5
+    with_sweep, without = Finish(1, 2, False, sweep=planned), Finish(1, 2, False)
+    assert with_sweep.seconds(prices) - without.seconds(prices) == planned.seconds(prices)
+    budget = Budget(3600.0, with_sweep, start=0.0)
+    assert "schedule sweep ~5.7 min" in budget.plan_line(prices)  # 340 s
+    # held back from the search: its deadline moves earlier by the sweep's price
+    assert Budget(3600.0, without, start=0.0).search_deadline(prices) - budget.search_deadline(prices) == 340.0
+
+
 def test_sweep_on_a_live_embedded_server_writes_a_schedule_the_engine_takes(tmp_path):
     adapter = get_adapter("embedded")
     config = {"drafter": "ngram", "draft_length": 4, "verify_slots": 2, "max_seq_len": 512, "threads": 1}
@@ -77,3 +105,31 @@ def test_sweep_on_a_live_embedded_server_writes_a_schedule_the_engine_takes(tmp_
         adapter.apply_runtime(server.base_url, {"draft_schedule": loaded.model_dump(mode="json")})
     finally:
         server.stop()
+
+
+def test_a_fitted_schedule_is_exported_in_a_launch_script_that_runs_it(tmp_path):
+    # The fit and export of `autotune run --fit-schedule`, on the study's best trial (validation is left out: on
+    # this CPU the plain baseline wins it, and the run then fits nothing, with a note)
+    opts = planning.RunOptions(trials=2, study="sched", studies_root=str(tmp_path), sets=ONE_SERVER, fit_schedule=True,
+                               **SMALL)
+    outcome = loop.run_study(planning.build(opts))
+    ctx = load_study(outcome.directory, outcome.storage)
+    pick = export.chosen(ctx)
+    fitted = schedule.fit_for_study(ctx, pick["config"], pick["trial"], levels=[1, 2], ks=[0, 4], repeats=1,
+                                    requests_per_stream=1)
+    best = outcome.directory / "best"
+    assert schedule.read_fit(best) == fitted and DraftSchedule.load(best / schedule.SCHEDULE_FILE) == fitted.schedule
+    assert {(c.batch, c.draft_length) for c in fitted.cells} == {(1, 0), (1, 4), (2, 0), (2, 4)}
+
+    export.export(ctx)
+    launch_sh = (best / "launch.sh").read_text()
+    assert f"--draft-schedule {(best / schedule.SCHEDULE_FILE).resolve()}" in launch_sh
+    assert "draft schedule (batch -> draft length)" in launch_sh
+    html = report.write_report(ctx, png=False).read_text()
+    assert 'id="fig-schedule"' in html and "<h2>Draft-length schedule</h2>" in html
+    lines = pipeline.closing_lines({"schedule": best / schedule.SCHEDULE_FILE, "problems": []}, outcome.directory,
+                                   outcome.storage)
+    assert any(line.startswith("draft schedule (ngram): batch 1") for line in lines)
+    # the exported script starts the engine with the fitted schedule in force
+    with exported_server(best / "launch.sh", tmp_path / "launch-sh.log") as (_, url):
+        assert httpx.get(url + "/admin/runtime").json()["draft_schedule"] == fitted.schedule.model_dump(mode="json")
