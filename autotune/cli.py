@@ -84,6 +84,8 @@ def serve(
     draft_length: int = typer.Option(_SERVE_DEFAULTS.draft_length, help="tokens proposed per verify step (k)"),
     draft_policy: str = typer.Option(_SERVE_DEFAULTS.draft_policy, help=" | ".join(_engine_config.DRAFT_POLICIES)),
     draft_estimator: str = typer.Option(None, help="estimator.json/.py for --draft-policy estimator (default: none)"),
+    draft_schedule: str = typer.Option(None, help="batch size -> draft length YAML/JSON, applied every step "
+                                       "(default: none)"),
     early_exit_layers: int = typer.Option(_SERVE_DEFAULTS.early_exit_layers, help="layers for --drafter early_exit"),
     ngram_min: int = typer.Option(_SERVE_DEFAULTS.ngram_min, help="shortest prompt-lookup match"),
     ngram_max: int = typer.Option(_SERVE_DEFAULTS.ngram_max, help="longest prompt-lookup match"),

@@ -22,7 +22,8 @@ MAX_DRAFT_LENGTH = 16  # longest draft a verify step takes (CUDA graphs are capt
 MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 10.0
 # Changeable on a running server between steps (POST /admin/runtime): the tuner needs no relaunch for them.
-RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max")
+# draft_schedule there is the schedule itself (a JSON object, or null for none), not a file.
+RUNTIME_KNOBS = ("draft_length", "draft_policy", "ngram_min", "ngram_max", "draft_schedule")
 CHOICES = {"drafter": DRAFTERS, "draft_policy": DRAFT_POLICIES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
            "compile": COMPILE_BACKENDS, "step_shape": STEP_SHAPES,
            "step_attention": STEP_ATTENTIONS, "prefill_graphs": PREFILL_GRAPHS}
@@ -38,6 +39,8 @@ class EngineConfig:
     draft_length: int = 4  # k: tokens proposed per verify step (the starting point for dynamic policies)
     draft_policy: str = "fixed"
     draft_estimator: str | None = None  # estimator.json or draft_length_estimator.py for policy=estimator
+    # batch size -> draft length file (draft_schedule.py), applied at every step within each request's own k
+    draft_schedule: str | None = None
     early_exit_layers: int = 8  # L for drafter=early_exit
     ngram_min: int = 1  # prompt-lookup match window, shortest
     ngram_max: int = 4  # and longest suffix tried

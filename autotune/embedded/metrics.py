@@ -14,6 +14,8 @@ Metrics served on GET /metrics (all engine-wide, since start):
   autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
   autotune_spec_draft_seconds_total        counter  time spent drafting
   autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes
+  autotune_spec_batch_steps_total{batch}   counter  decode steps of `batch` sequences (what a draft schedule reads)
+  autotune_spec_batch_draft_tokens_total{batch} counter  tokens proposed in those steps
   autotune_http_requests_total{path,status} counter HTTP requests answered, refused ones included (499:
                                                     the client left before any response)
   autotune_request_timeouts_total          counter  requests cancelled at the server's --request-timeout
@@ -45,6 +47,11 @@ METRICS = (
     ("verify_seconds_total", "autotune_spec_verify_seconds_total", "counter", "Seconds spent verifying."),
 )
 FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+# (Engine.stats() key of a {batch size: count} dict, counter name, help)
+BATCH_METRICS = (
+    ("steps_by_batch", "autotune_spec_batch_steps", "Decode steps, by the number of sequences in the step."),
+    ("draft_tokens_by_batch", "autotune_spec_batch_draft_tokens", "Tokens proposed, by the step's batch size."),
+)
 
 
 class EngineCollector:
@@ -57,6 +64,11 @@ class EngineCollector:
         stats = self.stats()
         for key, name, kind, help_text in METRICS:
             yield FAMILIES[kind](name, help_text, value=float(stats[key]))
+        for key, name, help_text in BATCH_METRICS:
+            family = CounterMetricFamily(name, help_text, labels=("batch",))
+            for batch, count in sorted(stats[key].items()):
+                family.add_metric((str(batch),), count)
+            yield family
 
 
 class HttpCounts:

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from autotune.embedded.config import (
     MAX_DRAFT_LENGTH,
@@ -29,6 +30,7 @@ from autotune.embedded.config import (
     rule_violations,
 )
 from autotune.embedded.draft_policy import DraftPolicy, load_estimator
+from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.embedded.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from autotune.embedded.generate import (
     ENTROPY_POSITIONS,
@@ -63,6 +65,7 @@ class Sequence:
         self.target_signals: tuple[float, float] | None = None  # the last step's, for n-gram stopping
         self.completion = 0
         self.spec = SpecStats()
+        self.draft_lag = 0  # tokens of steps its drafter's own cache missed (steps nobody in the batch drafted)
 
     @property
     def decoding(self) -> bool:
@@ -92,6 +95,8 @@ class Engine:
 
         self.config = config
         _validate(config)
+        schedule = DraftSchedule.load(config.draft_schedule) if config.draft_schedule else None
+        self._use_schedule(_checked_schedule(schedule, config.drafter, f"draft schedule {config.draft_schedule}"))
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
@@ -152,6 +157,7 @@ class Engine:
             warm_ups.append((draft_runner, (1, 2), (None,)))  # a draft pass feeds 1 token, or 2 after a full accept
         else:
             self.drafter = NoDrafter()
+        self._drafter_has_own_cache = isinstance(self.drafter, ModelDrafter) and not self.drafter.shares_target_cache
         estimator = load_estimator(config.draft_estimator) if config.draft_estimator else None
         self.policy = DraftPolicy(config.draft_policy, config.draft_length, estimator)
         self.slot_rows = [torch.tensor([s], device=self.device) for s in range(slots)]
@@ -174,6 +180,9 @@ class Engine:
         self._totals = dict(requests_total=0, prompt_tokens_total=0, generation_tokens_total=0, verify_steps=0,
                             draft_tokens=0, accepted_tokens=0, rejections=0, draft_seconds_total=0.0,
                             verify_seconds_total=0.0)
+        # per batch size of a decode step (the schedule's input): steps run, tokens proposed
+        self._batch_steps: collections.Counter[int] = collections.Counter()
+        self._batch_draft_tokens: collections.Counter[int] = collections.Counter()
 
     # -- the public, thread-safe surface ---------------------------------------------------------
     def start(self) -> None:
@@ -204,32 +213,42 @@ class Engine:
     def stats(self) -> dict:
         with self._lock:
             totals = dict(self._totals, requests_running=len(self._running), requests_waiting=len(self._queue),
-                          warmup_seconds=self.warmup_seconds, late_graph_captures=self.target.late_captures)
+                          warmup_seconds=self.warmup_seconds, late_graph_captures=self.target.late_captures,
+                          steps_by_batch=dict(self._batch_steps), draft_tokens_by_batch=dict(self._batch_draft_tokens))
         steps, proposed = totals["verify_steps"], totals["draft_tokens"]
         totals["accept_length"] = totals["generation_tokens_total"] / steps if steps else 0.0
         totals["accept_rate"] = totals["accepted_tokens"] / proposed if proposed else 0.0
         return totals
 
     def update_runtime(self, **knobs) -> dict:
-        """Change draft_length, draft_policy, ngram_min, ngram_max between steps; returns the values now."""
+        """Change draft_length, draft_policy, ngram_min, ngram_max, draft_schedule (an object, null: none) between
+        steps; returns the values now."""
         unknown = set(knobs) - set(RUNTIME_KNOBS)
         if unknown:
             raise ValueError(f"unknown runtime knob(s) {sorted(unknown)}; known: {', '.join(RUNTIME_KNOBS)}")
         with self._lock:
             current = dict(draft_length=self.policy.draft_length, draft_policy=self.policy.name,
-                           ngram_min=self.config.ngram_min, ngram_max=self.config.ngram_max)
+                           ngram_min=self.config.ngram_min, ngram_max=self.config.ngram_max,
+                           draft_schedule=self.schedule.model_dump(mode="json") if self.schedule else None)
             new = dict(current, **knobs)
             for name in ("draft_length", "ngram_min", "ngram_max"):
                 if not isinstance(new[name], int) or isinstance(new[name], bool):
                     raise ValueError(f"{name} must be an integer, got {new[name]!r}")
-            problems = rule_violations(replace(self.config, **new))
+            problems = rule_violations(replace(self.config, **{k: v for k, v in new.items() if k != "draft_schedule"}))
             if problems:
                 raise ValueError(problems[0])
+            schedule = _checked_schedule(_schedule_of(new["draft_schedule"]), self.config.drafter, "draft_schedule")
+            self._use_schedule(schedule)
             self.policy = DraftPolicy(new["draft_policy"], new["draft_length"], self.policy.estimator)
             self.config = replace(self.config, ngram_min=new["ngram_min"], ngram_max=new["ngram_max"])  # the caller's stays
             if isinstance(self.drafter, NgramDrafter):
                 self.drafter.ngram_min, self.drafter.ngram_max = new["ngram_min"], new["ngram_max"]
             return new
+
+    def _use_schedule(self, schedule: DraftSchedule | None):
+        """The schedule's draft length per batch size, looked up once here: a step reads one list entry."""
+        self.schedule = schedule
+        self._batch_caps = [schedule.length_for(b) for b in range(self.config.verify_slots + 1)] if schedule else None
 
     # -- the engine thread -----------------------------------------------------------------------
     def _loop(self):
@@ -345,8 +364,10 @@ class Engine:
 
     def _decode(self, batch: list[Sequence]):
         policy = self.policy
-        # Never propose past max_tokens: a step emits at most k + 1 tokens.
-        ks = [min(s.k, s.params.max_tokens - s.completion - 1) for s in batch]
+        ks = self._draft_lengths(batch)
+        drafts = max(ks) > 0  # whether the drafter runs this step (for every row of the batch)
+        if drafts and self._drafter_has_own_cache:
+            self._catch_up_drafter(batch)
         positions = [s.length - 1 for s in batch]
         host = np.array([[s.tokens[s.length - 1], p, s.slot] for s, p in zip(batch, positions)], dtype=np.int64)
         step = StepInput(
@@ -360,6 +381,11 @@ class Engine:
         with self._lock:
             self._totals["draft_seconds_total"] += out.draft_seconds
             self._totals["verify_seconds_total"] += out.verify_seconds
+            self._batch_steps[len(batch)] += 1
+            self._batch_draft_tokens[len(batch)] += sum(out.proposed)
+        if not drafts and self._drafter_has_own_cache:
+            for seq in batch:
+                seq.draft_lag += 1  # a plain step emits one token, which the drafter's cache did not get
         for row, (seq, tokens, proposed, accepted) in enumerate(zip(batch, out.tokens, out.proposed, out.accepted)):
             spec = seq.spec
             if out.target_signals:
@@ -376,6 +402,29 @@ class Engine:
             if seq.params.draft_length is None:
                 seq.k = policy.next_k(seq.k, proposed, accepted)
             self._emit(seq, tokens, proposed, accepted)
+
+    def _draft_lengths(self, batch: list[Sequence]) -> list[int]:
+        """Each row's k this step: its request's own (policy, or its draft_length) within the schedule's length for
+        this batch size, never past max_tokens (a step emits at most k + 1 tokens). The schedule only lowers a k
+        the request drafts anyway (<= MAX_DRAFT_LENGTH, the widest verify step warm_up compiles and captures at
+        every batch size), so it makes no shape the engine has not already got."""
+        caps = self._batch_caps
+        cap = caps[len(batch)] if caps else MAX_DRAFT_LENGTH
+        return [min(s.k, cap, s.params.max_tokens - s.completion - 1) for s in batch]
+
+    def _catch_up_drafter(self, batch: list[Sequence]):
+        """Feed a drafter with its own cache the tokens of the steps it did not run (draft_lag), before it drafts
+        again: it re-feeds only the newest two itself, and would otherwise attend stale entries. Through its
+        prefill path: one-token chunks take the width-1 step warm_up captured, wider ones prefill's buckets."""
+        for seq in batch:
+            start, end = max(0, seq.length - 2 - seq.draft_lag), seq.length - 2
+            seq.draft_lag = 0
+            row = None if seq.slot == 0 else self.slot_rows[seq.slot]
+            for chunk in range(start, end, self.config.prefill_ubatch):
+                chunk_end = min(end, chunk + self.config.prefill_ubatch)
+                ids = torch.from_numpy(seq.tokens[chunk:chunk_end]).to(self.device)[None]
+                positions = torch.arange(chunk, chunk_end, device=self.device)[None]
+                self.drafter.prefill(ids, positions, row, _bucket(chunk_end, self.target.cache.max_len))
 
     def _sampling(self, batch) -> SamplingBatch:
         if all(s.params.temperature == 0 and s.params.repetition_penalty == 1.0 for s in batch):
@@ -446,6 +495,29 @@ class Engine:
 
 def _bucket(length: int, limit: int) -> int:
     return min(limit, math.ceil(length / KV_BUCKET) * KV_BUCKET)
+
+
+def _schedule_of(value) -> DraftSchedule | None:
+    """POST /admin/runtime's draft_schedule (a schedule object, or None) as a schedule; one-line ValueError."""
+    if value is None or isinstance(value, DraftSchedule):
+        return value
+    try:
+        return DraftSchedule.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"draft_schedule: {where + ': ' if where else ''}{first['msg']}") from None
+
+
+def _checked_schedule(schedule: DraftSchedule | None, drafter: str, source: str) -> DraftSchedule | None:
+    """The schedule, if this engine can run it: fitted for its drafter, no row past MAX_DRAFT_LENGTH."""
+    if schedule is None:
+        return None
+    if schedule.drafter != drafter:
+        raise ValueError(f"{source}: fitted for drafter {schedule.drafter}, the engine drafts with {drafter}")
+    if schedule.max_draft_length > MAX_DRAFT_LENGTH:
+        raise ValueError(f"{source}: draft_length must be in 0..{MAX_DRAFT_LENGTH}, got {schedule.max_draft_length}")
+    return schedule
 
 
 def _validate(config: EngineConfig):

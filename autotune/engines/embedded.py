@@ -16,6 +16,7 @@ import yaml
 from autotune import __version__
 from autotune.embedded import config as engine_config
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
+from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.engines.base import EngineAdapter, ScheduleRendering, schema_errors
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 from autotune.predict.speed import KERNELS_PER_LAYER
@@ -184,7 +185,10 @@ class EmbeddedAdapter(EngineAdapter):
     def apply_runtime(self, base_url, runtime):
         if not runtime:
             return
-        r = httpx.post(base_url.rstrip("/") + "/admin/runtime", json=dict(runtime), timeout=10.0)
+        runtime = dict(runtime)
+        if isinstance(runtime.get("draft_schedule"), str):  # the launch flag's file; the server takes the schedule
+            runtime["draft_schedule"] = DraftSchedule.load(runtime["draft_schedule"]).model_dump(mode="json")
+        r = httpx.post(base_url.rstrip("/") + "/admin/runtime", json=runtime, timeout=10.0)
         if r.status_code != 200:
             try:
                 detail = r.json()["error"]["message"]
