@@ -12,7 +12,7 @@ from autotune.embedded.config import (
     GenerationRequest,
     SamplingParams,
 )
-from autotune.embedded.openai_api import BadRequest, parse_request
+from autotune.embedded.openai_api import BadRequest, parse_request, request_fields
 from autotune.embedded.scheduler import Engine
 
 
@@ -52,3 +52,25 @@ def test_api_and_engine_agree_at_the_limit(engine, field, limit):
         api(limit + 0.5)
     assert refused.value.param == field
     assert engine_finish(engine, **{field: limit + 0.5}) == "error"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"max_tokens": 16.0}, "max_tokens"),  # an integer field takes no float, however whole
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"temperature": True}, "temperature"),  # nor a number field a boolean
+    ({"seed": 2**63}, "seed"),  # past int64: torch could not take it
+    ({"top_k": -2}, "top_k"),
+    ({"stop": ""}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"model": 3}, "model"),
+])
+def test_a_field_of_the_wrong_kind_or_range_is_refused_by_name(body, param):
+    with pytest.raises(BadRequest) as refused:
+        request_fields(body, chat=False)
+    assert refused.value.param == param and f"'{param}'" in refused.value.message
+
+
+def test_fields_other_servers_have_are_left_to_the_unsupported_check():
+    fields = request_fields({"prompt": "hi", "user": "x", "logprobs": True, "stop": ["a", "b"], "top_k": -1}, chat=False)
+    assert fields.stop == ["a", "b"] and fields.top_k == -1 and fields.prompt == "hi"

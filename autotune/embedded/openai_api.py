@@ -45,12 +45,13 @@ harness and the tuner read:
 """
 import functools
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from jinja2.exceptions import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autotune.embedded.config import (
     MAX_DRAFT_LENGTH,
@@ -104,40 +105,52 @@ class ParsedRequest:
     ignored: list[str] = field(default_factory=list)  # unknown fields, ignored (the server logs them)
 
 
-def _number(body: dict, name: str, default, low=None, high=None, low_open=False, integer=False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or (isinstance(value, float) and not math.isfinite(value)):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a finite number'}, got {value!r}", name)
-    too_low = low is not None and (value <= low if low_open else value < low)
-    if too_low or (high is not None and value > high):
-        if high is None:
-            bounds = f"{'>' if low_open else '>='} {low}"
-        else:
-            bounds = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"'{name}' must be {bounds}, got {value!r}", name)
-    return value
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # per-chunk usage (vLLM): accepted, not sent
 
 
-def _flag(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {value!r}", name)
-    return value
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    return stops
+class RequestFields(BaseModel):
+    """What both endpoints take besides the prompt, typed and bounded: strict (a string, a boolean or 16.0
+    where an integer belongs is refused), the sampling limits the engine's own (config.MAX_*)."""
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    n: int | None = None
+    best_of: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # -1 and 0: off
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch takes int64
+    ignore_eos: bool | None = None
+    draft_length: Annotated[int, Field(ge=0, le=MAX_DRAFT_LENGTH)] | None = None
+    draft_trace: bool | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
+
+
+class CompletionRequest(RequestFields):
+    prompt: object = None  # a string or token ids: checked against the tokenizer (_prompt)
+
+
+class ChatRequest(RequestFields):
+    messages: object = None  # {role, content} objects: checked against the chat template (_prompt)
+
+
+def request_fields(body: dict, chat: bool) -> RequestFields:
+    try:
+        return (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        name = str(first["loc"][0])
+        raise BadRequest(f"'{name}': {first['msg']}, got {json.dumps(body.get(name))[:80]}", name) from None
 
 
 def _is_off(value, off) -> bool:
@@ -234,40 +247,30 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"'model' must be a string, got {model!r}", "model")
-    model = model or model_name
+    fields = request_fields(body, chat)
+    model = fields.model or model_name
     if model != model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {model_name!r}", "model")
     for name in ("n", "best_of"):
-        if _number(body, name, 1, integer=True) != 1:
+        if getattr(fields, name) not in (None, 1):
             raise BadRequest(f"only {name}=1 is supported", name)
     _unsupported(body)
-    stream = _flag(body, "stream")
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
-    if stream_options is not None and not stream:
+    if fields.stream_options is not None and not fields.stream:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    stream_options = stream_options or {}
-    include_usage = _flag(stream_options, "include_usage")
-    _flag(stream_options, "continuous_usage_stats")  # per-chunk usage (vLLM): accepted, not sent
-    asked = {name: _number(body, name, None, low=1, integer=True) for name in ("max_completion_tokens", "max_tokens")}
-    top_k = _number(body, "top_k", 0, low=-1, high=INT32_MAX, integer=True)
+    include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+    asked = {"max_completion_tokens": fields.max_completion_tokens, "max_tokens": fields.max_tokens}
     params = SamplingParams(
         max_tokens=0,  # set below, once the prompt's length is known
-        temperature=float(_number(body, "temperature", 0.0, low=0, high=MAX_TEMPERATURE)),
-        top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
-        top_k=max(top_k, 0),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, low=0, high=MAX_REPETITION_PENALTY,
-                                          low_open=True)),
-        ignore_eos=_flag(body, "ignore_eos"),
-        seed=_number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True),  # torch takes int64
-        draft_length=_number(body, "draft_length", None, low=0, high=MAX_DRAFT_LENGTH, integer=True),
-        draft_trace=_flag(body, "draft_trace"),
+        temperature=float(fields.temperature or 0.0),
+        top_p=float(1.0 if fields.top_p is None else fields.top_p),
+        top_k=max(fields.top_k or 0, 0),
+        repetition_penalty=float(1.0 if fields.repetition_penalty is None else fields.repetition_penalty),
+        ignore_eos=bool(fields.ignore_eos),
+        seed=fields.seed,
+        draft_length=fields.draft_length,
+        draft_trace=bool(fields.draft_trace),
     )
-    stop = _stop_strings(body)
+    stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
 
     prompt_ids, prompt_text = _prompt(body, chat, tokenizer, max_seq_len)
     where = "messages" if chat else "prompt"
@@ -287,7 +290,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer, model_name: str, max_seq_le
         params.max_tokens = asked[name]
     return ParsedRequest(
         chat=chat, model=model, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params, stop=stop,
-        stream=stream, include_usage=include_usage, ignored=sorted(set(body) - KNOWN),
+        stream=bool(fields.stream), include_usage=include_usage, ignored=sorted(set(body) - KNOWN),
     )
 
 
