@@ -170,4 +170,6 @@ def test_a_drafter_with_its_own_cache_catches_up_on_the_steps_the_schedule_left_
           logits_from=known - 1)
     for layer in (0, len(draft.cache.k) - 1):
         caught_up, reference = draft.cache.k[layer][0, :, :known], draft.cache.k[layer][1, :, :known]
-        assert torch.allclose(caught_up, reference, atol=1e-3, rtol=1e-3), (caught_up - reference).abs().amax()
+        # int8 forwards of other widths round differently; a gap left unfed (zeros, or stale drafts) is off by O(1)
+        error = (caught_up - reference).norm(dim=-1) / reference.norm(dim=-1)  # per head and position
+        assert error.amax() < 0.05, error.amax(0)
