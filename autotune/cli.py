@@ -112,9 +112,7 @@ def serve(
         None, metavar="SECONDS", help="end a request this long after it came, finish_reason length "
         "(default: no limit)"),
 ):
-    """Serve a model with the embedded engine: OpenAI API, /health, /metrics.
-
-    The embedded engine is autotune's own small PyTorch speculative-decoding server."""
+    """Serve a model with autotune's own PyTorch speculative-decoding engine: OpenAI API, /health, /metrics."""
     options = dict(locals())  # the parsed flags: EngineConfig's fields by name, and the server's own
     try:
         graph_sizes = [int(s) for s in cuda_graph_batch_sizes.split(",") if s.strip()]
@@ -227,12 +225,10 @@ def run(
     plan_only: bool = typer.Option(False, "--plan", help="print the plan (space, load, budget, first trials); "
                                                          "launch nothing"),
     estimator: bool = typer.Option(True, help="then fit the draft-length estimator"),
-    fit_schedule: bool = typer.Option(False, help="then fit a batch size -> draft length schedule for the winner "
-                                                  "(default: only when --load-profile varies the concurrency)"),
+    fit_schedule: bool = typer.Option(False, help="then fit the winner a batch size -> draft length schedule "
+                                                  "(always when --load-profile varies the concurrency)"),
 ):
-    """Tune an engine's launch configuration on this machine with an Optuna study.
-
-    Validates the best on fresh launches, exports best/launch.sh, writes the report."""
+    """Tune an engine's launch configuration here (Optuna), validate the best, export best/launch.sh, report."""
     started = time.time()  # --budget counts from here: probing, trials, validation, estimator, report
     from rich.console import Console
 

@@ -126,7 +126,7 @@ def test_requests_that_cannot_fit_are_rejected(engine):
 
 def test_runtime_knobs_are_validated(engine):
     assert engine.update_runtime(draft_length=6, ngram_max=3) == {
-        "draft_length": 6, "draft_policy": "fixed", "ngram_min": 1, "ngram_max": 3}
+        "draft_length": 6, "draft_policy": "fixed", "draft_schedule": None, "ngram_min": 1, "ngram_max": 3}
     for bad in ({"draft_length": 99}, {"ngram_min": 4}, {"draft_policy": "psychic"}, {"threads": 3},
                 {"draft_policy": "estimator"}):
         with pytest.raises(ValueError):
