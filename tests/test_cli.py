@@ -3,7 +3,9 @@ each option's default, errors that name their fix, and `--studies-dir` on the co
 Each case runs the CLI as a user does (a subprocess); the cases of one test run side by side."""
 import hashlib
 import importlib.util
+import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import typer
 
 import autotune
 from autotune.cli import app
+from autotune.embedded.bundled import bundled_gguf_path
 
 SCREEN_LINES = 40  # at 100 columns
 CLI = [sys.executable, "-m", "autotune.cli"]
@@ -92,6 +95,9 @@ def test_each_error_names_its_fix(tmp_path):
         ("model not there", "run", "--model", "/nonexistent.gguf"): "hf download",
         ("model not there", "serve", "--model", "/nonexistent.gguf"): "hf download",
         ("model not there", "estimate", "--model", "/nonexistent.gguf", "--gpu", "h100-sxm5"): "hf download",
+        # one GGUF file holds one type: another comes from a directory of the model's files
+        ("another type of one GGUF", "estimate", "--engine", "llamacpp", "--model", str(bundled_gguf_path()),
+         "--set", "gguf_type=Q8_0"): "--model a directory",
     }
     if importlib.util.find_spec("vllm") is None:  # else autotune's own Python runs vLLM: none is missing
         cases[("no vLLM venv in the cache", "run", "--engine", "vllm")] = "bash setup.sh vllm"
@@ -100,6 +106,26 @@ def test_each_error_names_its_fix(tmp_path):
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, (case, done.stderr)
         assert cases[case] in done.stderr, (case, done.stderr)
     assert not (tmp_path / "studies").exists()  # nothing was started
+
+
+def test_estimate_for_another_machine_names_the_engine_not_this_machines_path(tmp_path):
+    """`estimate --gpu PROFILE` plans for a machine autotune never saw: its launch lines name llama-server as
+    installed there (on its PATH), not the build this machine would launch (here --engine-binary's, by its
+    environment variable), which `--gpu cpu`, this machine, still names. A single GGUF file estimates at its
+    own type when the user pins it."""
+    here = str(tmp_path / "build" / "bin" / "llama-server")
+    gguf = ["--engine", "llamacpp", "--model", str(bundled_gguf_path()), "--top", "3", "--json"]
+    done = run_all({"planned": ["estimate", "--gpu", "h200-sxm", *gguf],
+                    "this machine": ["estimate", "--gpu", "cpu", *gguf],
+                    "its own type": ["estimate", "--gpu", "h200-sxm", *gguf, "--set", "gguf_type=Q4_1"]},
+                   env={"AUTOTUNE_LLAMA_SERVER": here})
+    lines = {}
+    for case, proc in done.items():
+        assert proc.returncode == 0, (case, proc.stderr)
+        lines[case] = [shlex.split(row["launch"]) for row in json.loads(proc.stdout)["configs"]]
+        assert lines[case], case
+    assert all(argv[0] == "llama-server" and here not in argv for argv in lines["planned"] + lines["its own type"])
+    assert all(argv[0] == here for argv in lines["this machine"])
 
 
 def test_studies_dir_is_where_every_study_command_looks(tmp_path):

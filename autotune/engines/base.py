@@ -272,9 +272,10 @@ class EngineAdapter:
         """Whether this machine can launch the engine at all."""
         return importlib.util.find_spec(self.name) is not None
 
-    def for_target(self, on_gpu: bool) -> "EngineAdapter":
+    def for_target(self, on_gpu: bool, this_machine: bool = True) -> "EngineAdapter":
         """The adapter as it would launch the engine on the target machine (`autotune estimate --gpu PROFILE` on
-        another one): this one, unless the build installed here serves only the other kind of device."""
+        another one): this one, unless the build installed here serves only the other kind of device. Not
+        `this_machine` (a profile's): commands name the engine as installed there, never this machine's paths."""
         return self
 
     def use_binary(self, path: str) -> None:

@@ -10,6 +10,7 @@ weight format of the file `-m` loads, one of a `--model` directory's GGUF files.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -89,9 +90,18 @@ class LlamaCppAdapter(EngineAdapter):
     default_context_len = 2048
     modelled = (GGUF_TYPE, "spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v")
 
+    another_machine = False  # for_target: the commands are for a machine whose llama-server is on its PATH
+
     @property
     def entry(self) -> tuple[str, ...]:
-        return (find_binary() or "llama-server",)
+        return ("llama-server",) if self.another_machine else (find_binary() or "llama-server",)
+
+    def for_target(self, on_gpu, this_machine=True):
+        if this_machine:
+            return self
+        view = copy.copy(self)
+        view.another_machine = True
+        return view
 
     def installed(self):
         binary = find_binary()
@@ -320,6 +330,10 @@ def model_file(model: str, gguf_type: str | None) -> str:
 
 
 def no_file_of(types: list, model: str, files: dict) -> ValueError:
-    """The one-line error for gguf_type values no GGUF file of `model` (a directory) has."""
+    """The one-line error for gguf_type values no GGUF file of `model` (a directory, or one file) has."""
+    if Path(model).is_file():  # one file holds one type: other types come from other files
+        return ValueError(f"gguf_type {', '.join(map(str, types))}: {model} is a {', '.join(files)} file; for other "
+                          "types pass --model a directory of the model's GGUF files (one per type), or a preset's name "
+                          "to `autotune estimate`")
     return ValueError(f"gguf_type {', '.join(map(str, types))}: no GGUF file of that type in {model} (its files are "
                       f"{', '.join(files) or 'none'})")

@@ -102,12 +102,12 @@ class VLLMAdapter(EngineAdapter):
     # or four compiled
     cpu_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
 
-    # the kind of machine the commands are for, where it is not this one's build (for_target); None: this machine
+    # the kind of machine the commands are for, where it is another or not this one's build (for_target); None: this one
     target_gpu: bool | None = None
 
     # -- which vLLM ----------------------------------------------------------------------------------
-    def for_target(self, on_gpu):
-        if on_gpu != self.cpu_build:
+    def for_target(self, on_gpu, this_machine=True):
+        if on_gpu != self.cpu_build and this_machine:
             return self
         view = copy.copy(self)
         view.target_gpu = on_gpu

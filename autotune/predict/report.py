@@ -45,7 +45,8 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
     gpus = num_gpus or max(1, hardware.gpu_count)
     if profile is None:
         raise ValueError("no hardware profile matches this machine's GPU; pass --gpu <profile>")
-    engine = engine.for_target(profile.is_gpu)  # launch lines for the profile's machine, not this one's build
+    # launch lines for the profile's machine, not this one's build; a planned machine's name no path of this one
+    engine = engine.for_target(profile.is_gpu, this_machine=hardware.source == "measured")
     space = space or load_space(engine.name)
     pins = {name: p.fixed for name, p in space.params.items() if p.pinned}
     # what the engine offers on the profile's device and units (a GPU's knobs off on a CPU and the other way)
