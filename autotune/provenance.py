@@ -65,7 +65,7 @@ def fingerprint(adapter, model: str | None, draft_model: str | None = None, hard
           "model_sha256": digest(model), "draft_model_sha256": digest(draft_model) if draft_model else None}
     host = {"cpu": hw.cpu.model if hw.cpu else None, "torch_threads": torch.get_num_threads(),
             "fast_dtypes": fast_dtypes(hw)}
-    fp.update({k: host[k] for k in adapter.fingerprint_keys})
+    fp.update({k: host[k] for k in adapter.facts.fingerprint_keys})
     return fp
 
 

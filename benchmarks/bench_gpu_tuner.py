@@ -233,11 +233,11 @@ def confirm(args):
         servers = {}
         try:
             for side, config in sides.items():
-                launch_part = {k: v for k, v in config.items() if k not in adapter.runtime_params}
+                launch_part = {k: v for k, v in config.items() if k not in adapter.facts.runtime_params}
                 servers[side] = launch(adapter, launch_part, log_path=out / "logs" / f"confirm-c{c}-{side}.log",
                                        timeout_s=args.launch_timeout)
                 adapter.apply_runtime(servers[side].base_url,
-                                      {k: v for k, v in config.items() if k in adapter.runtime_params})
+                                      {k: v for k, v in config.items() if k in adapter.facts.runtime_params})
                 warm_up(servers[side], workload, concurrency=c, max_tokens=args.max_tokens, seed=args.seed,
                         request_timeout=args.launch_timeout)
             values = {side: [] for side in sides}

@@ -103,7 +103,7 @@ def emit(out: Path) -> None:
                             covered.add(key)
                             argv, _ = engine.command(config, model=str(target_for(engine, config)), draft_model=path,
                                                      host="127.0.0.1",
-                                                     port=engine.default_port)
+                                                     port=engine.facts.default_port)
                             seen.add(tuple(engine.engine_args(argv)))
         commands[engine_name] = sorted(map(list, seen))
     out.write_text(json.dumps(commands, indent=1))

@@ -44,7 +44,7 @@ def drafts(tmp_path) -> dict:
 
 
 def offered(adapter, draft, hw=None, shape_model="llama-3.1-8b") -> list:
-    key = adapter.draft_keys[0]
+    key = adapter.facts.draft_keys[0]
     checkpoint = read_draft(str(draft)) if draft else None
     shape = ModelShape.of(load_model(shape_model), checkpoint)
     space = restrict_space(load_space(adapter.name), hw if hw is not None else planned(H100), shape,

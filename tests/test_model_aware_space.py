@@ -113,7 +113,7 @@ def test_four_bit_weights_follow_the_checkpoint(tmp_path):
     assert m.weights_gb * 1e9 == pytest.approx(linear * (0.5 + 2.5 / 128) + 2 * 128256 * 4096 * 2, rel=1e-6)
     # both engines resolve an AWQ checkpoint to awq_marlin where Marlin runs: the launch line says so
     for engine in (SGLANG, VLLM):
-        argv, _ = engine.command({engine.tp_key: 1, "quantization": "awq_marlin"}, model=str(tmp_path / "awq"),
+        argv, _ = engine.command({engine.facts.tp_key: 1, "quantization": "awq_marlin"}, model=str(tmp_path / "awq"),
                                  draft_model=None, host="127.0.0.1", port=1)
         assert argv[argv.index("--quantization") + 1] == "awq_marlin"
 

@@ -76,7 +76,7 @@ def test_tp4_over_pcie_is_slower_than_over_an_nvlink_bridge():
     for engine, config in ((VLLM, {"tensor_parallel_size": 4}), (SGLANG, {"tp_size": 4})):
         over = {p.name: predict_speed(qwen, config, p, 4, engine=engine).single_tok_s for p in (bridged, pcie)}
         assert over["rtx-a6000:pcie"] < 0.95 * over["rtx-a6000"], over
-        one = {p.name: predict_speed(qwen, {**config, engine.tp_key: 1}, p, 1, engine=engine).single_tok_s
+        one = {p.name: predict_speed(qwen, {**config, engine.facts.tp_key: 1}, p, 1, engine=engine).single_tok_s
                for p in (bridged, pcie)}
         assert one["rtx-a6000"] == one["rtx-a6000:pcie"]  # one GPU: no all-reduce, nothing differs
     with pytest.raises(ValueError, match="l40s has no nvlink"):

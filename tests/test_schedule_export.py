@@ -91,7 +91,7 @@ def test_vllm_drafts_the_schedules_length_at_each_batch_size_live(tmp_path):
                     json={"model": model, "prompt": p, "max_tokens": 24, "temperature": 0}), prompts))
             assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
             after = server_metrics.scrape(server.base_url)
-            steps, drafted, _ = (after[n] - before.get(n, 0.0) for n in VLLM.spec_counters)
+            steps, drafted, _ = (after[n] - before.get(n, 0.0) for n in VLLM.facts.spec_counters)
             return drafted / steps
 
         assert drafted_per_step(["def add(a, b):"]) == 2
@@ -119,7 +119,7 @@ def test_a_schedule_that_never_drafts_turns_speculation_off_everywhere():
         rendering = adapter.schedule_args(config, never)
         assert rendering.cannot_express == ()
         merged = {**config, **rendering.config}
-        assert merged.get(adapter.draft_keys[0]) in (None, "none") or merged.get("draft_schedule")
+        assert merged.get(adapter.facts.draft_keys[0]) in (None, "none") or merged.get("draft_schedule")
 
 
 def test_a_configuration_without_a_drafter_is_refused_in_one_line():

@@ -113,7 +113,7 @@ def test_readiness_acceptance_and_bundle_drops():
     adapter = adapter_at("0.5.17")
     # 503 while the server starts, then one generated token (http_server.py health_generate)
     assert adapter.health_url("http://127.0.0.1:30000/") == "http://127.0.0.1:30000/health_generate"
-    assert adapter.spec_gauges == ("sglang:spec_accept_length", "sglang:spec_accept_rate")
+    assert adapter.facts.spec_gauges == ("sglang:spec_accept_length", "sglang:spec_accept_rate")
     assert "--enable-metrics" in adapter.command({}, model="/m", draft_model=None, host="h", port=1)[0]
     # the CUDA 12 flavor of cutlass-dsl is left out only for a CUDA 13 target
     assert "nvidia-cutlass-dsl-libs-cu12" in adapter.bundle_drops(13)

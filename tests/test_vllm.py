@@ -141,7 +141,7 @@ def test_a_draft_model_drafts_on_the_cpu_build(tmp_path):
                        json={"model": model, "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
         after = server_metrics.scrape(server.base_url)
-        steps, drafted, accepted = (after[n] - before.get(n, 0.0) for n in ADAPTER.spec_counters)
+        steps, drafted, accepted = (after[n] - before.get(n, 0.0) for n in ADAPTER.facts.spec_counters)
         assert steps > 0 and drafted == 3 * steps and accepted >= 0.8 * drafted
         # vLLM logs each interval's accepted and drafted tokens; once the interval holding this request is logged,
         # the log's sums are the counters' (the server is idle: nothing else drafts). Waiting is on that line.

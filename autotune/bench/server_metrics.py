@@ -40,16 +40,16 @@ def acceptance(before: dict | None, after: dict | None) -> dict:
     before = before or {}
     adapters = [get_adapter(name) for name in ENGINES]
     for adapter in adapters:
-        if adapter.spec_counters and adapter.spec_counters[0] in after:
-            steps, drafted, accepted = (after.get(n, 0.0) - before.get(n, 0.0) for n in adapter.spec_counters)
+        if adapter.facts.spec_counters and adapter.facts.spec_counters[0] in after:
+            steps, drafted, accepted = (after.get(n, 0.0) - before.get(n, 0.0) for n in adapter.facts.spec_counters)
             if steps <= 0:
                 return {**none, "server_metrics_source": adapter.name}
             return {"server_accept_length": 1 + accepted / steps,
                     "server_accept_rate": accepted / drafted if drafted > 0 else None,
                     "server_metrics_source": adapter.name}
     for adapter in adapters:
-        if adapter.spec_gauges and adapter.spec_gauges[0] in after:
-            length, rate = (after.get(n) for n in adapter.spec_gauges)
+        if adapter.facts.spec_gauges and adapter.facts.spec_gauges[0] in after:
+            length, rate = (after.get(n) for n in adapter.facts.spec_gauges)
             return {"server_accept_length": finite(length), "server_accept_rate": finite(rate),
                     "server_metrics_source": adapter.name}
     return none

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autotune import package_path
 from autotune.embedded.draft_schedule import DraftSchedule
-from autotune.predict.knobs import Knobs
+from autotune.engines.facts import EngineFacts
 
 SCHEMA_DIR = package_path("engines", "schemas")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE]-?\d+)?$")
@@ -202,7 +202,7 @@ def schedule_departures(schedule: DraftSchedule, length: int, top_batch: int) ->
 
 @dataclass(frozen=True)
 class ScheduleRendering:
-    """How one engine runs a draft-length schedule (EngineAdapter.schedule_args): settings merged into the launch
+    """How one engine runs a draft-length schedule (its adapter's schedule_args): settings merged into the launch
     config before command(), flags added after its own, environment, files to write at the paths the flags name
     (path -> text), and one plain sentence for each thing of the schedule the engine cannot express (none: the
     engine runs the schedule as fitted)."""
@@ -221,52 +221,19 @@ class ScheduleRendering:
 
 
 class EngineAdapter:
-    """Everything autotune knows of one engine: how to launch a config, its rules, what it would really
-    run, and the facts the tuner, validation, export, report and ci need. Nothing outside
-    autotune/engines/ branches on an engine's name: it reads these attributes. See the engine modules."""
+    """What all engine adapters share; each engine's own behaviour (command, check, effective, knobs, schedule_args;
+    autotune/engines/protocol.py) is its subclass's, and what it is as data is its `facts` (an EngineFacts, read as
+    `adapter.facts.<name>`). Nothing outside autotune/engines/ branches on an engine's name: it reads these."""
 
     name = ""
     version = ""  # of the captured flag schema
-    runtime_params: frozenset[str] = frozenset()
     entry: tuple[str, ...] = ()  # argv before the engine's own arguments, e.g. [python, -m, module]
-    # export: where launch.sh listens unless PORT says otherwise; the docker image ("{version}" filled
-    # in) and the argv inside it before the engine's arguments; how the engine reads best/config.yaml.
-    default_port = 8000
-    image: str | None = None
-    image_command: tuple[str, ...] = ()
-    config_file_use: str | None = None
-    # validate: settings that change what the model computes (with the baseline's values, greedy output
-    # must match), and the config update that turns speculation off (the baseline).
-    numerics: tuple[str, ...] = ()
-    speculation_off: dict = {}
-    # report: (config key naming the drafter, config key of its draft length).
-    draft_keys: tuple[str | None, str | None] = (None, None)
-    # the tuner: per-trial load and budget when the user gives none; validation size after `autotune run`
-    # (empty: validate's own); the server's sampling where a request leaves it out.
-    default_load = {"concurrency": 32, "num_requests": 128, "max_tokens": 256}
-    default_budget_s: float | None = None
-    finish_validation: dict = {}
-    sampling_defaults = {"temperature": 1.0, "top_p": 1.0}
-    # bench: acceptance on /metrics, as (verify steps, draft tokens, accepted tokens) counters or
-    # (accept length, accept rate) gauges.
-    spec_counters: tuple[str, str, str] | None = None
-    spec_gauges: tuple[str, str] | None = None
-    # ci: host facts beyond GPUs, driver and versions that decide this engine's speed (a CPU engine's
-    # CPU model, thread count and native dtypes).
-    fingerprint_keys: tuple[str, ...] = ()
-    # space: choices of a parameter that draft with a second checkpoint, offered only with --draft-model.
-    needs_draft_model: dict[str, tuple] = {}
-    # predict (autotune/predict/): the config key of the tensor-parallel size (None: no TP); the keys the
-    # memory and speed model read (what `autotune estimate` enumerates); how the engine splits a GPU:
-    # "static_fraction" (weights + KV pool inside a fraction, the workspace outside it), "utilization"
-    # (everything inside a fraction; the KV cache gets what is left) or "slots" (a KV cache of
-    # max_running x context tokens allocated up front); the context one sequence must hold unless the
-    # caller says; the largest CUDA-graph batch when the config sets none (0: no graphs by default).
-    tp_key: str | None = None
-    modelled: tuple[str, ...] = ()
-    memory_pool = "utilization"
-    default_context_len = 4096
-    graph_max_bs_default = 0
+    facts: EngineFacts
+
+    def __getattr__(self, name):  # H3-TEMPORARY: until the readers outside engines/ say adapter.facts.<name>
+        if name in EngineFacts.__dataclass_fields__:
+            return getattr(self.facts, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def installed(self) -> bool:
         """Whether this machine can launch the engine at all."""
@@ -314,18 +281,8 @@ class EngineAdapter:
         token; None where the adapter cannot read it (outputs are then compared character by character)."""
         return None
 
-    def command(self, config: dict, *, model: str | None, draft_model: str | None, host: str, port: int,
-                extra_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
-        raise NotImplementedError
-
     def health_url(self, base_url: str) -> str:
         return base_url.rstrip("/") + "/health"
-
-    def check(self, config: dict, hardware=None, *, has_draft_model: bool | None = None) -> list[str]:
-        return []
-
-    def effective(self, config: dict) -> dict:
-        return dict(config)
 
     def draft_problem(self, config: dict, draft) -> str | None:
         """Why the engine would refuse `config`'s drafter with the draft checkpoint `draft` (a
@@ -368,12 +325,6 @@ class EngineAdapter:
         """The installed engine's own parser on each argument list (None: not installed where it can be asked)."""
         return engine_parser_verdicts(self.name, arg_lists)
 
-    def schedule_args(self, config: dict, schedule: DraftSchedule, *, directory: str | Path = ".") -> ScheduleRendering:
-        """`schedule` (batch size -> draft length, fitted for `config`'s drafter) in this engine's own terms; a file
-        it needs is named under `directory` (where the export writes launch.sh). ValueError (one line) where
-        `config` does not draft."""
-        raise NotImplementedError(f"the {self.name} adapter cannot export a draft-length schedule")
-
     def scheduled_command(self, config: dict, schedule: DraftSchedule, *, model: str | None, draft_model: str | None,
                           host: str, port: int, directory: str | Path = ".",
                           extra_args: list[str] = ()) -> tuple[list[str], dict[str, str], ScheduleRendering]:
@@ -385,10 +336,10 @@ class EngineAdapter:
 
     def _drafting(self, config: dict) -> str:
         """`config`'s drafter; ValueError where it drafts with none (a schedule has nothing to shorten)."""
-        drafter = config.get(self.draft_keys[0])
+        drafter = config.get(self.facts.draft_keys[0])
         if drafter in (None, "none"):
             raise ValueError(f"a draft-length schedule needs a drafter: the {self.name} configuration has "
-                             f"{self.draft_keys[0]} {drafter or 'unset'}")
+                             f"{self.facts.draft_keys[0]} {drafter or 'unset'}")
         return drafter
 
     def apply_runtime(self, base_url: str, runtime: dict) -> None:
@@ -402,11 +353,7 @@ class EngineAdapter:
     # -- predict -----------------------------------------------------------------------------------
     def tp_size(self, config: dict) -> int:
         """GPUs one server of `config` spans: its tensor-parallel size (1 for an engine without TP)."""
-        return int(config.get(self.tp_key) or 1) if self.tp_key else 1
-
-    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
-        """`config` read into the engine-neutral Knobs the memory and speed model use."""
-        raise NotImplementedError(f"the {self.name} adapter has no memory and speed model")
+        return int(config.get(self.facts.tp_key) or 1) if self.facts.tp_key else 1
 
     def default_memory_fraction(self, tp: int, gpu_mib: float | None = None, config: dict | None = None) -> float:
         """The share of a GPU (of gpu_mib MiB) the engine takes when `config` sets none."""

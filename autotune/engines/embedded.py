@@ -18,8 +18,8 @@ from autotune.embedded import config as engine_config
 from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.engines.base import EngineAdapter, ScheduleRendering, schema_errors
+from autotune.engines.facts import EngineFacts
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
-from autotune.predict.speed import KERNELS_PER_LAYER
 
 CHOICES = engine_config.CHOICES
 DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
@@ -51,29 +51,30 @@ SCHEMA = _schema()
 
 class EmbeddedAdapter(EngineAdapter):
     name = "embedded"
-    runtime_params = frozenset(engine_config.RUNTIME_KNOBS)
     entry = (sys.executable, "-m", "autotune.cli", "serve")
-    default_port = 30000
-    numerics = ("dtype", "quantization", "compile")
-    speculation_off = {"drafter": "none"}
-    draft_keys = ("drafter", "draft_length")
-    # Small for a CPU: a trial is about half a minute, so the default study (11 min, then validation of
-    # the top 2 twice, up to 4 times in a close race, and the report) ends in about 15-20 minutes on a
-    # small machine.
-    default_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 48}
-    default_budget_s = 11 * 60
-    finish_validation = {"top": 2, "repeats": 2, "max_repeats": 4}
-    sampling_defaults = {"temperature": 0.0, "top_p": 1.0}
-    spec_counters = ("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
-                     "autotune_spec_accepted_tokens_total")
-    fingerprint_keys = ("cpu", "torch_threads", "fast_dtypes")
-    needs_draft_model = {"drafter": ("draft_model",)}
-    modelled = ("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization", "compile",
-                "cuda_graph_batch_sizes")
-    # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU
-    # machine); with the weights it must fit default_memory_fraction of a GPU, or the available RAM.
-    memory_pool = "slots"
-    default_context_len = 2048  # a slot's max_seq_len
+    facts = EngineFacts(
+        default_port=30000,
+        numerics=("dtype", "quantization", "compile"),
+        speculation_off={"drafter": "none"},
+        finish_validation={"top": 2, "repeats": 2, "max_repeats": 4},
+        sampling_defaults={"temperature": 0.0, "top_p": 1.0},
+        # Small for a CPU: a trial is about half a minute, so the default study (11 min, then validation of the top
+        # 2 twice, up to 4 times in a close race, and the report) ends in about 15-20 minutes on a small machine.
+        default_load={"concurrency": 4, "num_requests": 8, "max_tokens": 48},
+        default_budget_s=11 * 60,
+        runtime_params=frozenset(engine_config.RUNTIME_KNOBS),
+        draft_keys=("drafter", "draft_length"),
+        spec_counters=("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
+                       "autotune_spec_accepted_tokens_total"),
+        fingerprint_keys=("cpu", "torch_threads", "fast_dtypes"),
+        needs_draft_model={"drafter": ("draft_model",)},
+        modelled=("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization", "compile",
+                  "cuda_graph_batch_sizes"),
+        # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU machine);
+        # with the weights it must fit default_memory_fraction of a GPU, or the available RAM.
+        memory_pool="slots",
+        default_context_len=2048,  # a slot's max_seq_len
+    )
 
     def installed(self):
         return True  # it ships inside autotune
@@ -156,15 +157,15 @@ class EmbeddedAdapter(EngineAdapter):
         graphs = bool(sizes) and on_gpu
         # no CUDA context is counted unless graphs are captured; int8 quantizes the tied head too. On a GPU
         # without inductor every op of a layer is a kernel of its own (UNFUSED_LAYER_KERNELS, and int8's
-        # casts and scaling around each linear layer)
+        # casts and scaling around each linear layer); else the model's fused count
         unfused = on_gpu and c.get("compile") != "inductor"
-        extra = UNFUSED_LAYER_KERNELS - KERNELS_PER_LAYER if unfused else 0
-        extra += INT8_UNFUSED_KERNELS if unfused and c.get("quantization") == "int8" else 0
+        int8 = INT8_UNFUSED_KERNELS if c.get("quantization") == "int8" else 0
+        layer_kernels = UNFUSED_LAYER_KERNELS + int8 if unfused else None
         k = make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
                        verify_tokens=steps + 1, cuda_graphs=graphs, graph_max_bs=max(sizes) if sizes else None,
                        mem_fraction=None,
                        max_running=c.get("verify_slots", 4), max_batch_tokens=c.get("prefill_ubatch", 256),
-                       cuda_context=graphs, quantized_head=True, extra_layer_kernels=extra)
+                       cuda_context=graphs, quantized_head=True, layer_kernels=layer_kernels)
         # a slot's cache holds max_seq_len + the longest draft + 1 positions (embedded/scheduler.py: headroom)
         max_seq_len = c.get("max_seq_len", engine_config.EngineConfig.max_seq_len)
         return dataclasses.replace(k, slot_tokens=max_seq_len + engine_config.MAX_DRAFT_LENGTH + 1)

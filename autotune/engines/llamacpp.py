@@ -26,6 +26,7 @@ from autotune.engines.base import (
     load_schema,
     schedule_departures,
 )
+from autotune.engines.facts import EngineFacts
 from autotune.hardware.gather import LLAMA_SERVER_ENV as BINARY_ENV
 from autotune.hardware.gather import llama_server_binary as find_binary  # the probe's lookup, one of it
 from autotune.predict.gguf_types import bytes_per_weight, read_header
@@ -72,23 +73,25 @@ def binary_version(binary: str) -> str | None:
 class LlamaCppAdapter(EngineAdapter):
     name = "llamacpp"
     version = "11434"
-    default_port = 8080
-    # quantized KV caches and flash attention change what a step computes
-    numerics = (GGUF_TYPE, "cache_type_k", "cache_type_v", "flash_attn")
-    speculation_off = {"spec_type": "none"}
-    draft_keys = ("spec_type", "spec_draft_n_max")
-    # One user's box, as the field reports run it: a small load a CPU trial finishes in about half a minute.
-    default_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
-    default_budget_s = 11 * 60
-    finish_validation = {"top": 2, "repeats": 2}
-    sampling_defaults = {"temperature": 0.8, "top_p": 0.95}  # llama-server's own, where a request says nothing
-    spec_counters = ("llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
-                     "llamacpp:spec_decode_num_accepted_tokens_total")
-    fingerprint_keys = ("cpu",)
-    needs_draft_model = {"spec_type": DRAFT_MODEL_TYPES}
-    memory_pool = "slots"
-    default_context_len = 2048
-    modelled = (GGUF_TYPE, "spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v")
+    facts = EngineFacts(
+        default_port=8080,
+        # quantized KV caches and flash attention change what a step computes
+        numerics=(GGUF_TYPE, "cache_type_k", "cache_type_v", "flash_attn"),
+        speculation_off={"spec_type": "none"},
+        finish_validation={"top": 2, "repeats": 2},
+        sampling_defaults={"temperature": 0.8, "top_p": 0.95},  # llama-server's own, where a request says nothing
+        # One user's box, as the field reports run it: a small load a CPU trial finishes in about half a minute.
+        default_load={"concurrency": 4, "num_requests": 8, "max_tokens": 64},
+        default_budget_s=11 * 60,
+        draft_keys=("spec_type", "spec_draft_n_max"),
+        spec_counters=("llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
+                       "llamacpp:spec_decode_num_accepted_tokens_total"),
+        fingerprint_keys=("cpu",),
+        needs_draft_model={"spec_type": DRAFT_MODEL_TYPES},
+        modelled=(GGUF_TYPE, "spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v"),
+        memory_pool="slots",
+        default_context_len=2048,
+    )
 
     another_machine = False  # for_target: the commands are for a machine whose llama-server is on its PATH
 
@@ -178,7 +181,7 @@ class LlamaCppAdapter(EngineAdapter):
         if not length:
             off = f"llama-server drafts one length at every batch size: speculation is off at every batch, as {where}."
             lost = (off,) if departs else ()
-            return ScheduleRendering(config=dict(self.speculation_off), cannot_express=lost)
+            return ScheduleRendering(config=dict(self.facts.speculation_off), cannot_express=lost)
         if not set(spec.split(",")) & set(DRAFTS_WITH_MODEL):
             unread = (f"llama-server's {spec} reads no draft length: it drafts what its n-gram match gives at every "
                       f"batch size, where the schedule asks {schedule_departures(schedule, -1, slots)}.")

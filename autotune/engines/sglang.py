@@ -28,6 +28,7 @@ from autotune.engines.base import (
     load_schema,
     schedule_departures,
 )
+from autotune.engines.facts import EngineFacts
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
 # NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
@@ -126,22 +127,24 @@ def spec_decode_graph_sizes(max_bs: int) -> list[int]:
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
     entry = (sys.executable, "-m", "sglang.launch_server")
-    default_port = 30000
-    image = "lmsysorg/sglang:v{version}"
-    image_command = ("python3", "-m", "sglang.launch_server")
-    config_file_use = "python -m sglang.launch_server --config best/config.yaml --host 127.0.0.1 --port 30000"
-    numerics = ("dtype", "quantization", "kv_cache_dtype", "enable_torch_compile")
-    speculation_off = {"speculative_algorithm": None}
-    draft_keys = ("speculative_algorithm", "speculative_num_draft_tokens")
-    spec_gauges = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
-    tp_key = "tp_size"
-    modelled = ("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
-                "speculative_eagle_topk", "speculative_num_draft_tokens", "mem_fraction_static")
-    # mem_fraction_static x total memory holds the weights and the KV pool; the rest is left for
-    # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
-    memory_pool = "static_fraction"
-    graph_max_bs_default = 256
-    needs_draft_model = {"speculative_algorithm": NEEDS_DRAFT_MODEL}
+    facts = EngineFacts(
+        default_port=30000,
+        image="lmsysorg/sglang:v{version}",
+        image_command=("python3", "-m", "sglang.launch_server"),
+        config_file_use="python -m sglang.launch_server --config best/config.yaml --host 127.0.0.1 --port 30000",
+        numerics=("dtype", "quantization", "kv_cache_dtype", "enable_torch_compile"),
+        speculation_off={"speculative_algorithm": None},
+        draft_keys=("speculative_algorithm", "speculative_num_draft_tokens"),
+        spec_gauges=("sglang:spec_accept_length", "sglang:spec_accept_rate"),
+        needs_draft_model={"speculative_algorithm": NEEDS_DRAFT_MODEL},
+        tp_key="tp_size",
+        modelled=("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
+                  "speculative_eagle_topk", "speculative_num_draft_tokens", "mem_fraction_static"),
+        # mem_fraction_static x total memory holds the weights and the KV pool; the rest is left for
+        # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
+        memory_pool="static_fraction",
+        graph_max_bs_default=256,
+    )
 
     @functools.cached_property
     def found_version(self) -> str | None:
@@ -209,7 +212,7 @@ class SGLangAdapter(EngineAdapter):
                  f"running requests (max_running_requests), where the schedule asks {departs}.")
         lost = (fixed,) if departs else ()
         if not length:
-            return ScheduleRendering(config=dict(self.speculation_off), cannot_express=lost)
+            return ScheduleRendering(config=dict(self.facts.speculation_off), cannot_express=lost)
         if algo in ("NGRAM", "DFLASH"):  # a verify of the drafted tokens and the one after them
             return ScheduleRendering(config={"speculative_num_draft_tokens": length + 1}, cannot_express=lost)
         tree = 1 + topk + (length - 1) * topk * topk  # check(): the most tokens a tree of these steps offers
@@ -359,7 +362,7 @@ class SGLangAdapter(EngineAdapter):
         graph_max = max(sizes) if sizes else c.get("cuda_graph_max_bs_decode")
         # CUDA graphs are on unless --disable-cuda-graph, which the space does not offer
         return make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps, topk=topk,
-                          verify_tokens=verify, cuda_graphs=True, graph_max_bs=graph_max or self.graph_max_bs_default,
+                          verify_tokens=verify, cuda_graphs=True, graph_max_bs=graph_max or self.facts.graph_max_bs_default,
                           mem_fraction=c.get("mem_fraction_static"),
                           max_running=c.get("max_running_requests", SPEC_MAX_RUNNING if drafter else None),
                           max_batch_tokens=c.get("chunked_prefill_size"), block_size=c.get("page_size"),

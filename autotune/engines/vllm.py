@@ -35,6 +35,7 @@ from autotune.engines.base import (
     engine_parser_verdicts,
     load_schema,
 )
+from autotune.engines.facts import EngineFacts
 from autotune.hardware.gather import engine_python, engine_python_env, python_engine_version
 from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
 
@@ -82,25 +83,33 @@ ENV_KEYS = ("cpu_kvcache_space", "threads")
 CPU_HANGS = {"kv_cache_dtype": ("fp8", "fp8_e4m3", "fp8_e5m2")}
 
 
-class VLLMAdapter(EngineAdapter):
-    name = "vllm"
-    config_file_use = "python -m vllm.entrypoints.openai.api_server --config best/config.yaml --host 127.0.0.1 --port 8000"
-    numerics = ("dtype", "quantization", "kv_cache_dtype")
-    speculation_off = {"speculative_method": None}
-    draft_keys = ("speculative_method", "num_speculative_tokens")
-    spec_counters = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                     "vllm:spec_decode_num_accepted_tokens_total")
-    tp_key = "tensor_parallel_size"
-    modelled = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens",
-                "gpu_memory_utilization")
+GPU_FACTS = EngineFacts(
+    image="vllm/vllm-openai:v{version}",  # the official (GPU) image of the installed release ("{version}": export's)
+    config_file_use="python -m vllm.entrypoints.openai.api_server --config best/config.yaml --host 127.0.0.1 --port 8000",
+    numerics=("dtype", "quantization", "kv_cache_dtype"),
+    speculation_off={"speculative_method": None},
+    draft_keys=("speculative_method", "num_speculative_tokens"),
+    spec_counters=("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                   "vllm:spec_decode_num_accepted_tokens_total"),
+    needs_draft_model={"speculative_method": NEEDS_DRAFT_MODEL},
+    tp_key="tensor_parallel_size",
+    modelled=("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens",
+              "gpu_memory_utilization"),
     # gpu_memory_utilization (default 0.9) x total memory is everything the instance may use; the KV
     # cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
-    memory_pool = "utilization"
-    graph_max_bs_default = 512
-    needs_draft_model = {"speculative_method": NEEDS_DRAFT_MODEL}
-    # the CPU build: a small load (a 2-core trial of this is about half a minute); a launch is a minute eager, three
-    # or four compiled
-    cpu_load = {"concurrency": 4, "num_requests": 8, "max_tokens": 64}
+    memory_pool="utilization",
+    graph_max_bs_default=512,
+)
+# The CPU build: no image of its own (export names the newest release the data pins); a small load (a 2-core trial of
+# this is about half a minute; a launch is a minute eager, three or four compiled); a launch costs several benchmarks,
+# so validation takes two repeats (a launch each), as the other CPU engines, and a third only where the race is open.
+CPU_FACTS = replace(GPU_FACTS, image=f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1]}",
+                    default_load={"concurrency": 4, "num_requests": 8, "max_tokens": 64}, default_budget_s=15 * 60,
+                    finish_validation={"top": 2, "repeats": 2, "max_repeats": 3})
+
+
+class VLLMAdapter(EngineAdapter):
+    name = "vllm"
 
     # the kind of machine the commands are for, where it is another or not this one's build (for_target); None: this one
     target_gpu: bool | None = None
@@ -145,26 +154,8 @@ class VLLMAdapter(EngineAdapter):
         return (self.python, "-m", "vllm.entrypoints.cli.main", "serve")
 
     @property
-    def image(self) -> str:
-        """The official (GPU) image: the installed release's ("{version}", filled by export); beside the CPU
-        build, which has none, the newest release the data pins."""
-        if self.cpu_build:
-            return f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1]}"
-        return "vllm/vllm-openai:v{version}"
-
-    @property
-    def default_load(self) -> dict:
-        return dict(self.cpu_load) if self.cpu_build else dict(EngineAdapter.default_load)
-
-    @property
-    def default_budget_s(self) -> float | None:
-        return 15 * 60 if self.cpu_build else None
-
-    @property
-    def finish_validation(self) -> dict:
-        # on a CPU a launch (about a minute) costs several benchmarks: two repeats (a launch each), as the other CPU
-        # engines, and a third only where the race is still open
-        return {"top": 2, "repeats": 2, "max_repeats": 3} if self.cpu_build else {}
+    def facts(self) -> EngineFacts:
+        return CPU_FACTS if self.cpu_build else GPU_FACTS
 
     def installed(self) -> bool:
         return self.found is not None
@@ -228,7 +219,7 @@ class VLLMAdapter(EngineAdapter):
         So rows (max_batch, k) map one to one, and num_speculative_tokens is the schedule's longest k."""
         self._drafting(config)
         if not schedule.max_draft_length:
-            return ScheduleRendering(config=dict(self.speculation_off))
+            return ScheduleRendering(config=dict(self.facts.speculation_off))
         starts = [1, *(row.max_batch + 1 for row in schedule.rows[:-1])]
         ranges = [[start, row.max_batch, row.draft_length] for start, row in zip(starts, schedule.rows)]
         lost = ()
@@ -353,7 +344,7 @@ class VLLMAdapter(EngineAdapter):
         graph_max = max(sizes) if sizes else c.get("max_cudagraph_capture_size")
         k = make_knobs(self.name, c, on_gpu, tp=self.tp_size(c), drafter=drafter, draft_steps=steps,
                           verify_tokens=tokens + 1, cuda_graphs=not c.get("enforce_eager", False),
-                          graph_max_bs=graph_max or self.graph_max_bs_default,
+                          graph_max_bs=graph_max or self.facts.graph_max_bs_default,
                           mem_fraction=c.get("gpu_memory_utilization"), max_running=c.get("max_num_seqs"),
                           max_batch_tokens=c.get("max_num_batched_tokens"),
                           block_size=c.get("block_size") or DEFAULT_BLOCK_SIZE,

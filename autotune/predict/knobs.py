@@ -57,9 +57,10 @@ class Knobs:
     quantized_head: bool = False  # weight quantization also keeps an int8 copy of a tied embedding as the head
     threads: int | None = None  # CPU threads the config asks for (None: one per core of this machine)
     block_size: int | None = None  # tokens per KV page (vLLM block_size, SGLang page_size; None: the engine's)
-    # kernels a forward pass launches per decoder layer beyond the engine's plain bf16 path (e.g. a
-    # dequantize kernel per linear layer where the weights are not read by a fused kernel)
-    extra_layer_kernels: int = 0
+    # kernels a forward pass launches per decoder layer where the engine runs the layer op by op, each op a kernel
+    # (the embedded engine without inductor, with int8's casts and scaling around each linear layer); None: a
+    # fused path's count (autotune/predict/speed.py: KERNELS_PER_LAYER)
+    layer_kernels: int | None = None
     # the weights are a GGUF file of this llama-quantize type (Q4_K_M): its output head and token embedding are
     # priced at the ggml types the file stores them at (its header, else llama-quantize's rules: gguf_types.py),
     # not at the activation dtype
@@ -78,14 +79,20 @@ class Knobs:
     slot_tokens: int | None = None
 
 
-class Engine(Protocol):
-    """What predict reads from an engine adapter (autotune/engines/base.py: EngineAdapter)."""
+class EngineFacts(Protocol):
+    """What predict reads of an engine's facts (autotune/engines/facts.py: EngineFacts)."""
 
-    name: str
     memory_pool: str  # "static_fraction" | "utilization" | "slots": see autotune/predict/memory.py
     default_context_len: int  # tokens one sequence must hold when the caller says nothing
     modelled: tuple[str, ...]  # config keys the model reads: what rank_configs enumerates
     default_port: int  # where its launch commands listen
+
+
+class Engine(Protocol):
+    """What predict reads from an engine adapter (autotune/engines/base.py: EngineAdapter)."""
+
+    name: str
+    facts: EngineFacts
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs: ...
 
@@ -114,7 +121,7 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                topk: int = 1, verify_tokens: int = 1, cuda_graphs: bool, graph_max_bs: int | None,
                mem_fraction: float | None, max_running: int | None, max_batch_tokens: int | None,
                cuda_context: bool = True, quantized_head: bool = False, block_size: int | None = None,
-               extra_layer_kernels: int = 0, gguf_type: str | None = None, embedding_on_host: bool = False,
+               layer_kernels: int | None = None, gguf_type: str | None = None, embedding_on_host: bool = False,
                ep: int = 1) -> Knobs:
     """Knobs from what an adapter read of its own option names (`c`: settings(config)), plus what every
     engine spells alike: dtype, quantization, kv_cache_dtype, early_exit_layers, threads."""
@@ -127,5 +134,5 @@ def make_knobs(engine: str, c: dict, on_gpu: bool, *, tp: int, drafter: str | No
                  verify_tokens if drafter else 1, cuda_graphs, graph_max_bs, mem_fraction, max_running,
                  max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None,
                  c.get("early_exit_layers", DEFAULT_EARLY_EXIT_LAYERS) if drafter == "early_exit" else None,
-                 cuda_context, quantized_head, c.get("threads"), block_size, extra_layer_kernels, gguf_type,
+                 cuda_context, quantized_head, c.get("threads"), block_size, layer_kernels, gguf_type,
                  embedding_on_host, ep)

@@ -259,7 +259,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
     sequence it must hold (default: the adapter's default_context_len)."""
     on_gpu = bool(profile is not None and profile.is_gpu)
     k = engine.knobs(config, on_gpu)
-    context_len = context_len or engine.default_context_len
+    context_len = context_len or engine.facts.default_context_len
     total = gpu_memory_gb(profile) if on_gpu else _available_ram_gb()
     fraction = k.mem_fraction or engine.default_memory_fraction(k.tp, total * GB / MIB if on_gpu else None, config)
     if on_gpu and k.max_batch_tokens is None:  # the chunk the engine picks for this GPU
@@ -274,20 +274,20 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
     sequences = None  # what the state pool caps (hybrid models), else the KV pool alone
     if k.tp > max(1, num_gpus):
         problems.append(f"tp {k.tp} needs {k.tp} GPUs, {num_gpus} given")
-    if engine.memory_pool == "slots":
+    if engine.facts.memory_pool == "slots":
         budget = total * (fraction if on_gpu else 1.0)
         slots, per_slot = k.max_running or 4, slot_tokens(model, k, context_len)
         detail["kv cache"] = slots * (per_slot * kv_tok + state) / GB
         kv_tokens = slots * per_slot if sum(detail.values()) <= budget else 0
     else:
-        if engine.memory_pool == "static_fraction":
+        if engine.facts.memory_pool == "static_fraction":
             before_load = (total - (CUDA_CONTEXT_GB if k.cuda_context else 0.0)) * GB
             pool = fraction * before_load - w - dw
             if ws > (1 - fraction) * total * GB:
                 problems.append(f"workspace {ws / GB:.2f} GB exceeds the {(1 - fraction) * total:.2f} GB that "
                                 f"mem_fraction_static {fraction:.2f} leaves outside the static pool")
             kv_tokens, sequences, state_gb = _sglang_pool(pool, kv_tok, state, k)
-        elif engine.memory_pool == "utilization":
+        elif engine.facts.memory_pool == "utilization":
             pool = fraction * total * GB - w - dw - ws
             if k.kv_cache_bytes:  # set outright: the fraction no longer applies; it all must fit the memory
                 pool, fraction = k.kv_cache_bytes, 1.0
@@ -296,7 +296,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
                                     f"{(w + dw + ws + pool) / GB:.2f} GB")
             kv_tokens, sequences, state_gb = _vllm_pool(pool, kv_tok, state, k, model, context_len)
         else:
-            raise ValueError(f"the {engine.name} adapter's memory_pool {engine.memory_pool!r} is not one of "
+            raise ValueError(f"the {engine.name} adapter's memory_pool {engine.facts.memory_pool!r} is not one of "
                              "static_fraction, utilization, slots")
         budget = fraction * total
         detail["kv cache"] = kv_tokens * kv_tok / GB
@@ -306,7 +306,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
             problems.insert(0, f"weights alone take {(w + dw) / GB:.2f} GB of the {budget:.2f} GB usable per GPU")
         elif kv_tokens < context_len or sequences == 0:
             problems.append(f"KV cache holds {kv_tokens} tokens, below one {context_len}-token sequence")
-    if engine.memory_pool == "slots" and sum(detail.values()) > budget:
+    if engine.facts.memory_pool == "slots" and sum(detail.values()) > budget:
         problems.append(f"needs {sum(detail.values()):.2f} GB with a {slots} x {per_slot}-token slot cache "
                         f"of {detail['kv cache']:.2f} GB")
     parts = f"weights {w / GB:.2f} GB" + (f" + draft {dw / GB:.2f} GB ({draft_note})" if dw else "")

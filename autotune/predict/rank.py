@@ -43,7 +43,7 @@ def _values(param) -> list:
 def candidate_configs(space, engine: Engine) -> list[dict]:
     """Every combination of the knobs the model reads (the adapter's `modelled`; inactive ones skipped),
     every other parameter at its default."""
-    names = [n for n in engine.modelled if n in space.params]
+    names = [n for n in engine.facts.modelled if n in space.params]
     configs = [{}]
     for name in names:
         grown = []
@@ -121,7 +121,7 @@ def launch_command(engine: Engine, config: dict, model: str | None, draft_model:
     """The engine adapter's launch command for `config` as one shell line (environment first, quoted), at
     the engine's own port unless told otherwise."""
     argv, env = engine.command(config, model=model, draft_model=draft_model, host=host,
-                               port=port or engine.default_port)
+                               port=port or engine.facts.default_port)
     argv = ["python3" if a == sys.executable else a for a in argv]
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.join(argv)])
 

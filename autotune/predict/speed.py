@@ -7,7 +7,7 @@ takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, kernels
         + spec_step_s (once per speculative step: proposing, acceptance, the host waiting on the GPU)
 Bytes: the weights once per pass (memory.weights_read_bytes) plus every sequence's KV cache; FLOPs:
 2 x parameters x tokens plus attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer
-(plus the adapter's extra_layer_kernels, e.g. a dequantize kernel per linear layer) and HEAD_KERNELS per
+(or the Knobs' layer_kernels where the engine runs a layer op by op) and HEAD_KERNELS per
 pass. Even under a CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a
 small model is bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the
 largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
@@ -171,7 +171,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
-    kernels = layers * (KERNELS_PER_LAYER + k.extra_layer_kernels) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
+    kernels = layers * (k.layer_kernels or KERNELS_PER_LAYER) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
     return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed)
 
 

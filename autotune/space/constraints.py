@@ -42,7 +42,7 @@ class ModelShape:
 
 def drafter_problem(config: dict, shape: ModelShape | None, *, adapter, on_gpu: bool = True) -> str | None:
     """Why the drafter `config` names cannot run with this target and draft checkpoint (None: it can)."""
-    key = adapter.draft_keys[0]
+    key = adapter.facts.draft_keys[0]
     if shape is None or not key or config.get(key) in (None, "none"):
         return None
     if adapter.knobs(config, on_gpu).drafter == "mtp" and not shape.mtp_layers:
@@ -96,7 +96,7 @@ def hardware_violations(config: dict, hw, shape: ModelShape | None, *, adapter) 
         value = config.get(key)
         if value is not None and not _fp8_allowed(value, mode):
             out.append(f"{key}={value} needs FP8 support; this machine's FP8 mode is {mode!r}")
-    key = adapter.tp_key
+    key = adapter.facts.tp_key
     tp = config.get(key) if key else None
     if tp is not None and tp != 1:
         if tp > gpus or gpus % tp:
@@ -135,14 +135,14 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
         if name in params and not params[name].pinned:
             params[name] = replace(params[name], **changes)
 
-    for key, values in adapter.needs_draft_model.items():  # e.g. drafter=draft_model without --draft-model
+    for key, values in adapter.facts.needs_draft_model.items():  # e.g. drafter=draft_model without --draft-model
         if key in params and not draft_model:
             narrow(key, choices=[c for c in params[key].choices if c not in values])
     if "quantization" in params:
         narrow("quantization", choices=[c for c in params["quantization"].choices
                                         if _fp8_allowed(c, _fp8_mode(hw)) and not (c == "gguf" and _gpu_count(hw))
                                         and not quantization_problem(c, shape)])
-    key = adapter.draft_keys[0]
+    key = adapter.facts.draft_keys[0]
     if key in params and params[key].type == "categorical":
         narrow(key, choices=[c for c in params[key].choices if not drafter_problem(
             {key: c}, shape, adapter=adapter, on_gpu=bool(_gpu_count(hw)))])
@@ -154,7 +154,7 @@ def restrict_space(space: Space, hw, shape: ModelShape | None, draft_model: str 
         narrow("compile", choices=["none"], fixed="none")
     if "threads" in params:
         narrow("threads", high=min(params["threads"].high, cpu_cores(hw)))
-    tp = adapter.tp_key
+    tp = adapter.facts.tp_key
     if tp in params and params[tp].type == "int":
         narrow(tp, high=max(1, min(params[tp].high, _gpu_count(hw))))
     elif tp in params and params[tp].type == "categorical" and _gpu_count(hw):

@@ -202,7 +202,7 @@ def predicted_configs(p: Plan, study: optuna.Study, queued: list[dict] = ()) -> 
 def launch_distance(adapter, a: dict, b: dict) -> int:
     """How many launch settings (not runtime knobs) two configurations differ in: 0 = one server runs both."""
     x, y = adapter.effective(a), adapter.effective(b)
-    return sum(x.get(k) != y.get(k) for k in set(x) | set(y) if k not in adapter.runtime_params)
+    return sum(x.get(k) != y.get(k) for k in set(x) | set(y) if k not in adapter.facts.runtime_params)
 
 
 def summarize(study: optuna.Study, objective: str, defaults: dict):

@@ -160,8 +160,8 @@ def arrange(space, hardware, parallel: int | str, adapter):
     on a CPU every engine gets cores // N threads: the `threads` parameter is pinned to that."""
     gpus = len(packing.usable_gpus(hardware))
     smallest = 1
-    if adapter.tp_key in space.params:
-        p = space.params[adapter.tp_key]
+    if adapter.facts.tp_key in space.params:
+        p = space.params[adapter.facts.tp_key]
         smallest = int(p.fixed if p.pinned else min(p.choices) if p.choices else p.low)
     if parallel == "auto":
         slots = max(1, gpus // smallest) if gpus else 1

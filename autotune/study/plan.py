@@ -92,8 +92,8 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
     if rest.get("min_measure_s", 0) < 0:
         raise ValueError(f"--min-measure {rest['min_measure_s']:g}: expected seconds >= 0")
     adapter = get_adapter(engine)  # raises for an unknown engine
-    budget_s = parse_duration(budget) if budget else adapter.default_budget_s
-    for name, value in adapter.default_load.items():
+    budget_s = parse_duration(budget) if budget else adapter.facts.default_budget_s
+    for name, value in adapter.facts.default_load.items():
         if rest.get(name) is None:
             rest[name] = value
     return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,

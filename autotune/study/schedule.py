@@ -261,19 +261,19 @@ def phases_for(profile: LoadProfile | None, levels: list[int]) -> list[Phase]:
 
 
 def drafts(ctx: StudyContext, config: dict) -> bool:
-    drafter_key, k_key = ctx.adapter.draft_keys
+    drafter_key, k_key = ctx.adapter.facts.draft_keys
     return bool(drafter_key and k_key) and config.get(drafter_key) not in (None, "none") and bool(config.get(k_key))
 
 
 def _launch_part(ctx: StudyContext, config: dict) -> dict:
-    skip = set(ctx.adapter.runtime_params) | {ctx.adapter.draft_keys[1]}
+    skip = set(ctx.adapter.facts.runtime_params) | {ctx.adapter.facts.draft_keys[1]}
     return {k: v for k, v in config.items() if k not in skip}
 
 
 def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
     """What the study measured on `config`'s launch settings: per phase where a load profile ran, else each
     trial's benchmark at the study's concurrency."""
-    drafter_key, k_key = ctx.adapter.draft_keys
+    drafter_key, k_key = ctx.adapter.facts.draft_keys
     same = _launch_part(ctx, config)
     out = []
     for t in ctx.study.get_trials(deepcopy=False):
@@ -293,7 +293,7 @@ def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
 def draft_grid(adapter, winner_k: int | None = None) -> list[int]:
     """0, the winner's k and DRAFT_GRID inside the range the engine's space gives the draft length (the engine's
     range, not a user's narrowing: the schedule may want a k the search was kept from)."""
-    param = load_space(adapter.name).params.get(adapter.draft_keys[1])
+    param = load_space(adapter.name).params.get(adapter.facts.draft_keys[1])
     low, high = (param.low, param.high) if param is not None and param.low is not None else (1, max(DRAFT_GRID))
     return sorted({0, *([int(winner_k)] if winner_k else []), *(k for k in DRAFT_GRID if low <= k <= high)})
 
@@ -302,16 +302,16 @@ def planned_sweep(adapter, levels: list[int], max_tokens: int, repeats: int = SW
     """What the sweep costs the budget before the winner is known (its own k may add one length): one launch
     where the engine changes k live, else one per k; each cell's streams run REQUESTS_PER_STREAM requests."""
     ks = len(draft_grid(adapter)) + 1
-    live = adapter.draft_keys[1] in adapter.runtime_params
+    live = adapter.facts.draft_keys[1] in adapter.facts.runtime_params
     return Sweep(1 if live else ks, ks * len(levels) * repeats, REQUESTS_PER_STREAM * max_tokens)
 
 
 def _config_at(ctx: StudyContext, config: dict, k: int) -> dict:
     """The winner with draft length k; k = 0 through the runtime knob where the engine takes it, else plain."""
-    k_key = ctx.adapter.draft_keys[1]
-    if k or k_key in ctx.adapter.runtime_params:
+    k_key = ctx.adapter.facts.draft_keys[1]
+    if k or k_key in ctx.adapter.facts.runtime_params:
         return {**config, k_key: k}
-    return {**{key: v for key, v in config.items() if key != k_key}, **ctx.adapter.speculation_off}
+    return {**{key: v for key, v in config.items() if key != k_key}, **ctx.adapter.facts.speculation_off}
 
 
 def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] | None = None,
@@ -320,8 +320,8 @@ def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] |
           deadline: float | None = None) -> list[Measurement]:
     """measure_grid on servers of `config`'s launch settings: one, where the engine changes k live. ValueError
     (one line) when a server cannot start or dies."""
-    adapter, drafter = ctx.adapter, config[ctx.adapter.draft_keys[0]]
-    ks = ks if ks is not None else draft_grid(adapter, config[adapter.draft_keys[1]])
+    adapter, drafter = ctx.adapter, config[ctx.adapter.facts.draft_keys[0]]
+    ks = ks if ks is not None else draft_grid(adapter, config[adapter.facts.draft_keys[1]])
     workload = workload or load_workload(ctx.workload, ctx.load.get("seed") or 0)
     max_tokens = max_tokens or ctx.load.get("max_tokens")
     groups: dict[str, list[int]] = {}  # one server per launch configuration
@@ -354,7 +354,7 @@ def measure_grid(adapter, server, drafter: str, configs: dict[int, dict], levels
     """On one running server: each k's runtime settings (`configs[k]`, applied through the adapter) at each
     concurrency, `repeats` times, the k alternated within a repeat and the order flipped every repeat (drift
     falls on every k alike); stops adding cells at `deadline` (time.time())."""
-    runtime, out = set(adapter.runtime_params), []
+    runtime, out = set(adapter.facts.runtime_params), []
     order = sorted(configs)
     for r in range(repeats):
         for c in levels:
@@ -385,10 +385,10 @@ def fit_for_study(ctx: StudyContext, config: dict, trial: int | None, *, levels:
     measured += [m for m in from_trials(ctx, config) if m.batch in levels]  # a batch of no sweep has no rival k
     notes = ()
     swept = {(m.batch, m.draft_length) for m in measured if m.source == "sweep"}
-    ks = sweep_options.get("ks") or draft_grid(ctx.adapter, config[ctx.adapter.draft_keys[1]])
+    ks = sweep_options.get("ks") or draft_grid(ctx.adapter, config[ctx.adapter.facts.draft_keys[1]])
     wanted = {(c, k) for c in levels for k in ks}
     if wanted - swept:
         notes = (f"the sweep measured {len(swept)} of {len(wanted)} cells before the budget's deadline",)
-    result = fit(measured, config[ctx.adapter.draft_keys[0]], phases_for(profile, levels), trial, notes)
+    result = fit(measured, config[ctx.adapter.facts.draft_keys[0]], phases_for(profile, levels), trial, notes)
     result.write(ctx.best_dir)
     return result

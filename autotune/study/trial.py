@@ -56,7 +56,7 @@ class Servers:
         self.launches = 0
         self.saved = 0
         # Changed on a running server only where the space and the engine both say it can be.
-        self.runtime_names = p.space.runtime_names() & set(getattr(p.adapter, "runtime_params", ()))
+        self.runtime_names = p.space.runtime_names() & set(p.adapter.facts.runtime_params)
 
     def launch_part(self, config: dict) -> dict:
         return {k: v for k, v in config.items() if k not in self.runtime_names}
@@ -359,7 +359,7 @@ def save_requests(p: Plan, number: int, config: dict, frame, phase: str) -> Path
     """studies/<name>/requests/trial-N.parquet: the benchmark's per-request rows (usage fields included:
     accept_length, spec_*, prompt_entropy) with what was asked (prompt text, temperature, top_p) and
     the trial's config, for the report and for fitting draft-length estimators."""
-    defaults = p.adapter.sampling_defaults  # what the server uses where a request leaves them out
+    defaults = p.adapter.facts.sampling_defaults  # what the server uses where a request leaves them out
     asked = [p.workload.requests[i] for i in frame["index"]]
     frame = frame.assign(trial=number, phase=phase, config=json.dumps(config), prompt=[prompt_text(r) for r in asked],
                          temperature=[float(r.get("temperature", defaults["temperature"])) for r in asked],
