@@ -59,6 +59,35 @@ def test_every_registered_engine_has_its_three_files():
             assert (PACKAGE / "engines" / "schemas" / f"{name}-{adapter.version}.json").exists()
 
 
+# What an adapter may take of the memory and speed model: the record it fills in (knobs.py) and GGUF headers.
+PREDICT_FOR_ENGINES = {"autotune.predict.knobs", "autotune.predict.gguf_types"}
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_engines_import_only_the_records_of_predict():
+    """The arithmetic of prediction (kernel counts, memory pools, speed) stays in autotune/predict/: an adapter
+    reads its config into predict's Knobs record and imports nothing else of it."""
+    found = {}
+    for path in (PACKAGE / "engines").rglob("*.py"):
+        names = {n for n in imported_modules(ast.parse(path.read_text())) if n.startswith("autotune.predict")}
+        modules = {n for n in names if (PROJECT_ROOT / (n.replace(".", "/") + ".py")).exists()}
+        if modules - PREDICT_FOR_ENGINES:
+            found[path.name] = sorted(modules - PREDICT_FOR_ENGINES)
+    assert found == {}
+    # the check itself sees an adapter reaching into the speed model
+    tree = ast.parse("from autotune.predict.speed import KERNELS_PER_LAYER\nimport autotune.predict.memory")
+    assert imported_modules(tree) >= {"autotune.predict.speed", "autotune.predict.memory"}
+
+
 # -- docs/architecture.md and docs/contributing.md, checked against the code ---------------------------
 ARCHITECTURE, CONTRIBUTING = PROJECT_ROOT / "docs" / "architecture.md", PROJECT_ROOT / "docs" / "contributing.md"
 FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
@@ -141,3 +170,20 @@ def test_the_engines_named_are_the_registered_adapters():
     for command in ("run", "estimate"):
         engine_help = next(p.help for p in commands[command].params if p.name == "engine")
         assert set(re.findall(r"\w+", engine_help)) >= set(ENGINES), command
+
+
+def test_contributing_names_every_file_of_an_engine():
+    """contributing.md's "Add an engine" names every file that holds something of vLLM's: its adapter module, the
+    registry, its captured schemas, its space, and every other module of the package that spells its name."""
+    from autotune.engines import REGISTRY
+    from autotune.engines.vllm import SCHEMA_VERSIONS
+
+    section = CONTRIBUTING.read_text().split("## Add an engine", 1)[1].split("\n## ", 1)[0]
+    named = set(repository_paths(section))
+    files = {REGISTRY["vllm"].split(":")[0].replace(".", "/") + ".py", "autotune/engines/__init__.py",
+             "search_spaces/vllm.yaml", *(f"autotune/engines/schemas/vllm-{v}.json" for v in SCHEMA_VERSIONS)}
+    for path in PACKAGE.rglob("*.py"):
+        if any(isinstance(n, ast.Constant) and n.value == "vllm" for n in ast.walk(ast.parse(path.read_text()))):
+            files.add(str(path.relative_to(PROJECT_ROOT)))
+    assert len(files) >= 6
+    assert sorted(files - named) == []
