@@ -2,7 +2,7 @@
 
 All sizes are decimal GB (1e9 bytes), like the model cards and GPU spec sheets they are compared to.
 
-How an engine splits a GPU (what `budget` means below) is its adapter's `memory_pool`, with the
+How an engine splits a GPU (what `budget` means below) is its facts' `memory_pool`, with the
 fraction the config sets (Knobs.mem_fraction) or the adapter's `default_memory_fraction(tp, gpu_mib, config)`:
 - "static_fraction" (SGLang 0.5.23): the KV pool is what the weights leave of mem_fraction_static x the
   memory free before the weights load (sglang/srt/mem_cache/kv_cache_configurator.py,
@@ -256,7 +256,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
                    draft: ModelSpec | None = None, context_len: int | None = None) -> MemoryEstimate:
     """Does `config` (of the engine adapter `engine`) fit on `num_gpus` GPUs of `profile` (a hardware
     Profile; a CPU profile = host RAM), and how many KV tokens are left? `context_len`: the longest
-    sequence it must hold (default: the adapter's default_context_len)."""
+    sequence it must hold (default: the engine facts' default_context_len)."""
     on_gpu = bool(profile is not None and profile.is_gpu)
     k = engine.knobs(config, on_gpu)
     context_len = context_len or engine.facts.default_context_len

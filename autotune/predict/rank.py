@@ -41,7 +41,7 @@ def _values(param) -> list:
 
 
 def candidate_configs(space, engine: Engine) -> list[dict]:
-    """Every combination of the knobs the model reads (the adapter's `modelled`; inactive ones skipped),
+    """Every combination of the knobs the model reads (the engine facts' `modelled`; inactive ones skipped),
     every other parameter at its default."""
     names = [n for n in engine.facts.modelled if n in space.params]
     configs = [{}]
