@@ -135,6 +135,26 @@ def step_s(model, config, profile, num_gpus=1, **kw) -> float:
     return 1 / predict_speed(model, config, profile, num_gpus, engine=VLLM, **kw).single_tok_s
 
 
+def test_the_embedded_engine_run_op_by_op_launches_each_op_as_a_kernel():
+    """On a GPU without inductor every op of an embedded decoder layer is a kernel of its own (the count its adapter
+    declares, int8's casts and scaling on top); compiled, and on a CPU, a layer is the speed model's fused count."""
+    from autotune.engines.embedded import INT8_UNFUSED_KERNELS, UNFUSED_LAYER_KERNELS
+    from autotune.predict.speed import target_pass
+
+    model, h200 = load_model("smollm2-135m"), get_profile("h200-sxm")
+
+    def kernels(config, on_gpu=True):
+        return target_pass(model, EMBEDDED.knobs(config, on_gpu), h200, 1, 1, 512.0, eager=True).kernels
+
+    fused = kernels({"compile": "inductor"})
+    assert fused == model.layers * KERNELS_PER_LAYER + HEAD_KERNELS
+    assert kernels({"compile": "none"}) == model.layers * UNFUSED_LAYER_KERNELS + HEAD_KERNELS
+    assert kernels({"compile": "none", "quantization": "int8"}) - kernels({"compile": "none"}) == \
+        model.layers * INT8_UNFUSED_KERNELS
+    assert kernels({"compile": "inductor", "quantization": "int8"}) == fused
+    assert kernels({"compile": "none"}, on_gpu=False) == fused
+
+
 def test_speed_terms():
     # Claims about the model's structure, true for any values of its coefficients (which calibration
     # refits per machine), not the coefficients restated.

@@ -1,6 +1,6 @@
 """The server's own view of a run: Prometheus /metrics scraped before and after, reduced to acceptance.
 
-Which samples carry acceptance is each engine adapter's `spec_counters` (verify steps, draft tokens,
+Which samples carry acceptance is each engine's facts' `spec_counters` (verify steps, draft tokens,
 accepted tokens; accept length = 1 + accepted / steps) or `spec_gauges` (accept length, accept rate);
 a scrape is matched to the engine whose names it holds.
 """
