@@ -1,6 +1,7 @@
 """Engine adapters, one module each, behind one registry: `get_adapter(name)` -> EngineAdapter
-(autotune/engines/base.py). An engine is its adapter module, its search space
-(search_spaces/<name>.yaml) and its flag schema (autotune/engines/schemas/); launching lives in launcher.py.
+(autotune/engines/base.py). An engine is its adapter module (its behaviour, protocol.py, and its frozen facts,
+facts.py), its search space (search_spaces/<name>.yaml) and its flag schema (autotune/engines/schemas/);
+launching lives in launcher.py. docs/contributing.md lists every file an engine touches.
 """
 import importlib
 
