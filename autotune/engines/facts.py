@@ -4,7 +4,9 @@ class (autotune/engines/protocol.py lists it)."""
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, get_args
+
+MemoryPool = Literal["static_fraction", "utilization", "slots"]  # how predict/memory.py splits a GPU for it
 
 
 def _frozen(mapping: Mapping) -> Mapping:
@@ -51,7 +53,7 @@ class EngineFacts:
     # none (0: no graphs by default).
     tp_key: str | None = None
     modelled: tuple[str, ...] = ()
-    memory_pool: Literal["static_fraction", "utilization", "slots"] = "utilization"
+    memory_pool: MemoryPool = "utilization"
     default_context_len: int = 4096
     graph_max_bs_default: int = 0
 
@@ -61,3 +63,14 @@ class EngineFacts:
             value = getattr(self, f.name)
             if isinstance(value, dict):
                 object.__setattr__(self, f.name, _frozen(value))
+        if self.memory_pool not in get_args(MemoryPool):
+            raise ValueError(f"memory_pool {self.memory_pool!r} is not one of {', '.join(get_args(MemoryPool))}")
+
+    def __reduce__(self):
+        # read-only mappings neither pickle nor deep-copy: the record is rebuilt from plain ones
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return _rebuilt, ({k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in values.items()},)
+
+
+def _rebuilt(values: dict) -> EngineFacts:
+    return EngineFacts(**values)
