@@ -286,7 +286,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
             if ws > (1 - fraction) * total * GB:
                 problems.append(f"workspace {ws / GB:.2f} GB exceeds the {(1 - fraction) * total:.2f} GB that "
                                 f"mem_fraction_static {fraction:.2f} leaves outside the static pool")
-            kv_tokens, sequences, state_gb = _sglang_pool(pool, kv_tok, state, k)
+            kv_tokens, sequences, state_gb = _static_fraction_pool(pool, kv_tok, state, k)
         elif engine.facts.memory_pool == "utilization":
             pool = fraction * total * GB - w - dw - ws
             if k.kv_cache_bytes:  # set outright: the fraction no longer applies; it all must fit the memory
@@ -294,7 +294,7 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
                 if w + dw + ws + pool > total * GB:
                     problems.append(f"weights, workspace and the {pool / GB:.2f} GB KV cache it sets need "
                                     f"{(w + dw + ws + pool) / GB:.2f} GB")
-            kv_tokens, sequences, state_gb = _vllm_pool(pool, kv_tok, state, k, model, context_len)
+            kv_tokens, sequences, state_gb = _utilization_pool(pool, kv_tok, state, k, model, context_len)
         else:
             raise ValueError(f"the {engine.name} adapter's memory_pool {engine.facts.memory_pool!r} is not one of "
                              "static_fraction, utilization, slots")
@@ -325,11 +325,11 @@ def predict_memory(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *
                           budget_gb=budget, context_len=context_len, detail=detail, state_sequences=sequences)
 
 
-def _sglang_pool(pool: float, kv_tok: float, state: float, k: Knobs) -> tuple[int, int | None, float]:
-    """(KV tokens, state slots, state GB) of SGLang's pool of `pool` bytes. Hybrid models: the state pool
-    gets ratio / (1 + ratio) of it; K = slots solved as in _handle_max_mamba_cache (one padding slot;
-    with speculation each slot also holds D draft states for 1/3 of the slots, and D x (running + 1)
-    intermediate states are reserved)."""
+def _static_fraction_pool(pool: float, kv_tok: float, state: float, k: Knobs) -> tuple[int, int | None, float]:
+    """(KV tokens, state slots, state GB) of a "static_fraction" pool of `pool` bytes, as SGLang splits it.
+    Hybrid models: the state pool gets ratio / (1 + ratio) of it; K = slots solved as in _handle_max_mamba_cache
+    (one padding slot; with speculation each slot also holds D draft states for 1/3 of the slots, and
+    D x (running + 1) intermediate states are reserved)."""
     if pool <= 0:
         return 0, None, 0.0
     if not state:
@@ -346,11 +346,11 @@ def _sglang_pool(pool: float, kv_tok: float, state: float, k: Knobs) -> tuple[in
     return max(0, int((pool - used) // kv_tok)), max(0, slots), used / GB
 
 
-def _vllm_pool(pool: float, kv_tok: float, state: float, k: Knobs, model: ModelSpec,
-               context_len: int) -> tuple[int, int | None, float]:
-    """(KV tokens, sequences, state GB) of vLLM's pool of `pool` bytes: whole blocks of block_size
-    tokens (vllm/v1/core/kv_cache_utils.py: num_blocks = available // page size of all layers). A hybrid
-    model: attention blocks grow to a multiple of 16 tokens whose page holds one layer's state
+def _utilization_pool(pool: float, kv_tok: float, state: float, k: Knobs, model: ModelSpec,
+                      context_len: int) -> tuple[int, int | None, float]:
+    """(KV tokens, sequences, state GB) of a "utilization" pool of `pool` bytes, as vLLM splits it: whole
+    blocks of block_size tokens (vllm/v1/core/kv_cache_utils.py: num_blocks = available // page size of all
+    layers). A hybrid model: attention blocks grow to a multiple of 16 tokens whose page holds one layer's state
     (update_block_size_for_backend), layers form groups of equal size, and a sequence takes
     ceil(context / block) blocks of each attention group plus one block of each state group."""
     block = k.block_size or 16
