@@ -19,7 +19,7 @@ from autotune.embedded.bundled import BUNDLED_PRESET, bundled_gguf_path
 from autotune.embedded.draft_schedule import DraftSchedule
 from autotune.engines.base import EngineAdapter, ScheduleRendering, schema_errors
 from autotune.engines.facts import EngineFacts
-from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
+from autotune.predict.knobs import Knobs, make_knobs, settings
 
 CHOICES = engine_config.CHOICES
 DEFAULTS = dataclasses.asdict(engine_config.EngineConfig())
@@ -70,6 +70,8 @@ class EmbeddedAdapter(EngineAdapter):
         needs_draft_model={"drafter": ("draft_model",)},
         modelled=("drafter", "draft_length", "early_exit_layers", "verify_slots", "dtype", "quantization", "compile",
                   "cuda_graph_batch_sizes"),
+        drafter_families={"ngram": "lookup", "early_exit": "early_exit", "quantized_self": "quantized_self",
+                          "draft_model": "draft"},
         # A slot cache of verify_slots x max_seq_len tokens is allocated up front (in host RAM on a CPU machine);
         # with the weights it must fit default_memory_fraction of a GPU, or the available RAM.
         memory_pool="slots",
@@ -151,7 +153,7 @@ class EmbeddedAdapter(EngineAdapter):
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
-        drafter = FAMILIES.get(c.get("drafter"))
+        drafter = self.facts.drafter_families.get(c.get("drafter"))
         steps = int(c.get("draft_length", 4)) if drafter else 0
         sizes = c.get("cuda_graph_batch_sizes") or []
         graphs = bool(sizes) and on_gpu

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from autotune.predict.knobs import DRAFTER_FAMILIES
+
 MemoryPool = Literal["static_fraction", "utilization", "slots"]  # how predict/memory.py splits a GPU for it
 
 
@@ -46,13 +48,16 @@ class EngineFacts:
     # space: choices of a parameter that draft with a second checkpoint, offered only with --draft-model.
     needs_draft_model: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # prediction (autotune/predict/): the config key of the tensor-parallel size (None: no TP); the keys the memory
-    # and speed model read (what `autotune estimate` enumerates); how the engine splits a GPU: "static_fraction"
+    # and speed model read (what `autotune estimate` enumerates); the drafter family (predict/knobs.py:
+    # DRAFTER_FAMILIES) each value of draft_keys[0] drafts with (a value not here: none the model prices); how
+    # the engine splits a GPU: "static_fraction"
     # (weights + KV pool inside a fraction, the workspace outside it), "utilization" (everything inside a fraction;
     # the KV cache gets what is left) or "slots" (a KV cache of max_running x context tokens allocated up front);
     # the context one sequence must hold unless the caller says; the largest CUDA-graph batch when the config sets
     # none (0: no graphs by default).
     tp_key: str | None = None
     modelled: tuple[str, ...] = ()
+    drafter_families: Mapping[str, str] = field(default_factory=dict)
     memory_pool: MemoryPool = "utilization"
     default_context_len: int = 4096
     graph_max_bs_default: int = 0
@@ -65,6 +70,9 @@ class EngineFacts:
                 object.__setattr__(self, f.name, _frozen(value))
         if self.memory_pool not in get_args(MemoryPool):
             raise ValueError(f"memory_pool {self.memory_pool!r} is not one of {', '.join(get_args(MemoryPool))}")
+        unknown = set(self.drafter_families.values()) - set(DRAFTER_FAMILIES)
+        if unknown:
+            raise ValueError(f"drafter_families: {', '.join(sorted(unknown))} not among {', '.join(DRAFTER_FAMILIES)}")
 
     def __reduce__(self):
         # read-only mappings neither pickle nor deep-copy: the record is rebuilt from plain ones

@@ -89,6 +89,7 @@ class LlamaCppAdapter(EngineAdapter):
         fingerprint_keys=("cpu",),
         needs_draft_model={"spec_type": DRAFT_MODEL_TYPES},
         modelled=(GGUF_TYPE, "spec_type", "spec_draft_n_max", "parallel", "cache_type_k", "cache_type_v"),
+        drafter_families=SPEC_FAMILIES,
         memory_pool="slots",
         default_context_len=2048,
     )
@@ -259,7 +260,7 @@ class LlamaCppAdapter(EngineAdapter):
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
         spec = c.get("spec_type")
-        drafter = SPEC_FAMILIES.get(spec)
+        drafter = self.facts.drafter_families.get(spec)
         # a draft model (EAGLE-3 head, MTP layers) drafts n_max tokens a step, one pass each; DFlash the block of
         # n_max in one pass; n-gram lookup up to its size_m (a long run is rare)
         steps = 8 if drafter == "lookup" else int(c.get("spec_draft_n_max", 3)) if drafter else 0

@@ -29,7 +29,7 @@ from autotune.engines.base import (
     schedule_departures,
 )
 from autotune.engines.facts import EngineFacts
-from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
+from autotune.predict.knobs import Knobs, make_knobs, settings
 
 # NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -140,6 +140,8 @@ class SGLangAdapter(EngineAdapter):
         tp_key="tp_size",
         modelled=("tp_size", "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_num_steps",
                   "speculative_eagle_topk", "speculative_num_draft_tokens", "mem_fraction_static"),
+        drafter_families={"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "STANDALONE": "draft", "NGRAM": "lookup",
+                          "DFLASH": "dflash"},
         # mem_fraction_static x total memory holds the weights and the KV pool; the rest is left for
         # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
         memory_pool="static_fraction",
@@ -346,7 +348,7 @@ class SGLangAdapter(EngineAdapter):
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
-        drafter = FAMILIES.get(c.get("speculative_algorithm"))
+        drafter = self.facts.drafter_families.get(c.get("speculative_algorithm"))
         steps, topk, verify = 0, 1, 1
         if drafter == "dflash":  # one parallel pass drafts a block; the target verifies the block
             steps, verify = 1, int(c.get("speculative_num_draft_tokens", DFLASH_DEFAULT_BLOCK))

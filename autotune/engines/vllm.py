@@ -37,7 +37,7 @@ from autotune.engines.base import (
 )
 from autotune.engines.facts import EngineFacts
 from autotune.hardware.gather import engine_python, engine_python_env, python_engine_version
-from autotune.predict.knobs import FAMILIES, Knobs, make_knobs, settings
+from autotune.predict.knobs import Knobs, make_knobs, settings
 
 # the last: dynamic speculative decoding's schedule, [[first batch, last batch, k], ...] (schedule_args)
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
@@ -95,6 +95,8 @@ GPU_FACTS = EngineFacts(
     tp_key="tensor_parallel_size",
     modelled=("tensor_parallel_size", "quantization", "kv_cache_dtype", "speculative_method", "num_speculative_tokens",
               "gpu_memory_utilization"),
+    drafter_families={"eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "draft_model": "draft", "dflash": "dflash",
+                      "ngram": "lookup"},  # suffix decoding: not priced
     # gpu_memory_utilization (default 0.9) x total memory is everything the instance may use; the KV
     # cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
     memory_pool="utilization",
@@ -336,7 +338,7 @@ class VLLMAdapter(EngineAdapter):
 
     def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         c = settings(config)
-        drafter = FAMILIES.get(c.get("speculative_method"))
+        drafter = self.facts.drafter_families.get(c.get("speculative_method"))
         tokens = int(c.get("num_speculative_tokens", 1 if drafter == "mtp" else 3)) if drafter else 0
         # dflash drafts the whole block in one parallel pass (SpeculativeConfig: parallel_drafting)
         steps = 1 if drafter == "dflash" else tokens

@@ -25,13 +25,12 @@ WEIGHT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                 # a GGUF file's weight format by llama-quantize's name, lower-cased (q4_k_m, bf16: the same 2 B)
                 **{name.lower(): b for name, b in gguf_types.bytes_per_weight().items()}}
 # 4-bit formats are a property of the checkpoint, never converted at load time (autotune/space/constraints.py).
-# Drafters by family: eagle = a one-layer head on the target's features; mtp = the target's own extra
-# layer; draft = a separate small checkpoint; lookup = n-gram matching in the prompt (no model);
-# early_exit / quantized_self = the embedded engine's self-drafters.
-# dflash = a DFlash block drafter (one parallel pass drafts a block of tokens from the target's features).
-FAMILIES = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "STANDALONE": "draft", "NGRAM": "lookup",
-            "DFLASH": "dflash", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "draft_model": "draft",
-            "dflash": "dflash", "ngram": "lookup", "early_exit": "early_exit", "quantized_self": "quantized_self"}
+# Drafters by family (each engine's facts map its own drafter names onto them: drafter_families):
+# eagle / eagle3 = a one-layer head on the target's features; mtp = the target's own extra layer; draft = a
+# separate small checkpoint; lookup = n-gram matching in the prompt (no model); early_exit / quantized_self = the
+# embedded engine's self-drafters; dflash = a DFlash block drafter (one parallel pass drafts a block of tokens from
+# the target's features).
+DRAFTER_FAMILIES = ("eagle", "eagle3", "mtp", "draft", "lookup", "dflash", "early_exit", "quantized_self")
 DEFAULT_EARLY_EXIT_LAYERS = 8
 
 
