@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from autotune.embedded.draft_schedule import DraftSchedule
+from autotune.engines.base import ScheduleRendering
 from autotune.engines.facts import EngineFacts
+from autotune.predict.knobs import Knobs
 
 
 @runtime_checkable
@@ -25,9 +27,9 @@ class EngineBehaviour(Protocol):
         """The settings the engine would actually run (defaults and inert settings dropped): equal ones are one
         trial."""
 
-    def knobs(self, config: dict, on_gpu: bool = True):
+    def knobs(self, config: dict, on_gpu: bool = True) -> Knobs:
         """`config` read from the engine's own option names into the memory and speed model's engine-neutral
-        record (autotune.predict.knobs.Knobs)."""
+        record."""
 
     def health_url(self, base_url: str) -> str:
         """Readiness: the URL that answers 200 once the server serves."""
@@ -35,7 +37,8 @@ class EngineBehaviour(Protocol):
     def apply_runtime(self, base_url: str, runtime: dict) -> None:
         """Change `runtime` (facts.runtime_params) on a running server; ValueError where it refuses."""
 
-    def schedule_args(self, config: dict, schedule: DraftSchedule, *, directory: str | Path = "."):
-        """`schedule` (batch size -> draft length, fitted for `config`'s drafter) in the engine's own terms
-        (base.ScheduleRendering); a file it needs is named under `directory` (where the export writes launch.sh).
-        ValueError (one line) where `config` does not draft."""
+    def schedule_args(self, config: dict, schedule: DraftSchedule, *,
+                      directory: str | Path = ".") -> ScheduleRendering:
+        """`schedule` (batch size -> draft length, fitted for `config`'s drafter) in the engine's own terms; a
+        file it needs is named under `directory` (where the export writes launch.sh). ValueError (one line) where
+        `config` does not draft."""
