@@ -19,7 +19,6 @@ and the tuner would reuse them for any configuration it has seen.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,9 +27,8 @@ import optuna
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune import export, provenance, validate
+from autotune import export, provenance
 from autotune.bench import load_workload, parse_slo
-from autotune.bench.runner import measure_server
 from autotune.engines import get_adapter
 from autotune.engines.base import flag_lines
 from autotune.engines.launcher import LaunchError, launch
@@ -38,10 +36,16 @@ from autotune.hardware import probe
 from autotune.space.space import SpaceError, load_space
 from autotune.study import loop, objectives, plan, record, storage
 from autotune.study.storage import load_study
+from autotune.validate.measure import benchmark, new_record
+from autotune.validate.race import repeat_reasons
+from autotune.validate.record import Reason, Validation
+from autotune.validate.run import DEFAULT_REPEATS, MAX_NOISE, validate
+from autotune.validate.statistics import spread
 
 OK, CHANGED = 0, 1
 WARM_START_TOP = 5
-FAILED = (record.FAILED,)  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
+FAILED = (record.FAILED,)
+BROKEN = ("request_errors", "server_exited")  # a re-check with these is broken; SLO misses only regressed  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
 
 
 # -- fingerprint (autotune/provenance.py computes it) -------------------------------------------------
@@ -104,22 +108,22 @@ def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
 def reference(ctx) -> dict:
     """The validated numbers and the load they were measured with (unvalidated: the study's trial)."""
     metric, direction = ctx.primary()
-    path = ctx.best_dir / "validation.json"
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    settings = {**ctx.load, "repeats": validate.DEFAULT_REPEATS, "slo": ctx.slo, **doc.get("settings", {})}
-    winner = doc.get("winner")
+    doc = Validation.load(ctx.best_dir)
+    settings = {**ctx.load, "repeats": DEFAULT_REPEATS, "slo": ctx.slo, **(doc.settings if doc else {})}
+    winner = doc.winner if doc else None
     if winner:
-        stats = winner.get("stats") or {}
+        stats = {k: s.model_dump() for k, s in winner.stats.items()}
     else:
         launch = ctx.best_dir / "launch.json"
         stats = json.loads(launch.read_text()).get("metrics", {}) if launch.exists() else {}
     median = (stats.get(metric) or {}).get("median")
     return {"metric": metric, "direction": direction, "median": median, "stats": stats, "settings": settings,
-            "validated": bool(winner), "trial": winner.get("trial") if winner else None}
+            "validated": bool(winner), "trial": winner.trial if winner else None}
 
 
 def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0, console=None) -> dict:
-    """Launch the exported best, benchmark it `repeats` times; {verdict: ok|regressed|broken, ...}."""
+    """Launch the exported best, benchmark it `repeats` times as validation does (its measuring, its reasons);
+    {verdict: ok|regressed|broken, ...}: broken when requests failed or the server exited."""
     adapter = ctx.adapter
     argv, env, source = stored_command(ctx.best_dir)
     log = ctx.directory / "ci" / "logs" / f"recheck-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -131,39 +135,37 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
     workload = load_workload(s.get("workload") or ctx.workload, s.get("seed", 0))
     slo = parse_slo(s["slo"]) if s.get("slo") else None
     repeats = max(1, int(s.get("repeats") or 1))
-    problems = []
+    rec = new_record("recheck", {})
+    load = {"concurrency": s.get("concurrency"), "max_tokens": s.get("max_tokens"), "seed": s.get("seed", 0)}
     try:
         with Progress(TextColumn("[bold]ci[/] re-benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=console is None) as bar:
             task = bar.add_task("", total=repeats)
-            for r in range(repeats):
-                run, _ = measure_server(server, workload, concurrency=s.get("concurrency"), seed=s.get("seed", 0),
-                                        num_requests=s.get("num_requests"), max_tokens=s.get("max_tokens"))
-                out["runs"].append({k: run.get(k) for k in ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95",
-                                                             "completed", "error_rate", "errors_by_kind")})
-                bar.advance(task)
-                if run.get("error_rate"):
-                    problems.append(f"repeat {r} had errors {run.get('errors_by_kind')}")
-                problems += [f"slo: repeat {r} {miss}" for miss in (slo.check(run) if slo else [])]
-                if not server.alive():
-                    problems.append(f"server exited during repeat {r} (see {log})")
-                    break
+            benchmark(server, [rec], repeats=repeats, workload=workload, load=load, num_requests=s.get("num_requests"),
+                      log=log, tick=lambda: bar.advance(task))
     finally:
         server.stop()
-    median = validate.spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
+    out["runs"] = [{k: run.get(k) for k in ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95", "completed",
+                                            "error_rate", "errors_by_kind")} for run in rec["runs"]]
+    problems = repeat_reasons(rec["runs"], slo) + ([rec["failure"]] if rec.get("failure") else [])
+    median = spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
     out["median"] = median
-    if median is None or any(p.startswith(("server exited", "repeat")) for p in problems):
-        return {**out, "verdict": "broken", "reason": "; ".join(problems) or f"no {ref['metric']} measured"}
+    if median is None or any(p.kind in BROKEN for p in problems):
+        return {**out, "verdict": "broken", "reason": texts(problems) or f"no {ref['metric']} measured"}
     if ref["median"]:
         ratio = median / ref["median"]
         out["ratio"] = ratio
         worse = ratio < 1 - tolerance if ref["direction"] == "maximize" else ratio > 1 + tolerance
         if worse:
-            problems.insert(0, f"{ref['metric']} {median:.4g} vs {ref['median']:.4g} recorded "
-                               f"({ratio - 1:+.1%}, tolerance {tolerance:.0%})")
+            problems.insert(0, Reason(kind="regressed", text=f"{ref['metric']} {median:.4g} vs {ref['median']:.4g} "
+                                      f"recorded ({ratio - 1:+.1%}, tolerance {tolerance:.0%})"))
     else:
-        problems.append(f"the study recorded no {ref['metric']} to compare with")
-    return {**out, "verdict": "regressed" if problems else "ok", "reason": "; ".join(problems) or None}
+        problems.append(Reason(kind="no_reference", text=f"the study recorded no {ref['metric']} to compare with"))
+    return {**out, "verdict": "regressed" if problems else "ok", "reason": texts(problems) or None}
+
+
+def texts(reasons: list[Reason]) -> str:
+    return "; ".join(r.text for r in reasons)
 
 
 def refresh_provenance(ctx, fp: dict, hardware, record: dict, recorded: dict) -> dict:
@@ -260,12 +262,12 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
         out["problem"] = "no configuration measured within the re-tune budget met the study's requirements"
         return out
     try:
-        out["validation"] = validate.validate(the_plan.directory, storage=ctx.storage, top=s.get("top", 3),
-                                              repeats=s.get("repeats", 3), slo=s.get("slo"),
-                                              max_noise=s.get("max_noise", validate.MAX_NOISE),
-                                              quality_prompts=s.get("quality_prompts", 4),
-                                              quality_tokens=s.get("quality_tokens", 32), load=s, console=console,
-                                              progress=console is not None)
+        out["validation"] = validate(the_plan.directory, storage=ctx.storage, top=s.get("top", 3),
+                                     repeats=s.get("repeats", 3), slo=s.get("slo"),
+                                     max_noise=s.get("max_noise", MAX_NOISE),
+                                     quality_prompts=s.get("quality_prompts", 4),
+                                     quality_tokens=s.get("quality_tokens", 32), load=s, console=console,
+                                     progress=console is not None)
     except ValueError as e:
         out["problem"] = f"validation: {e}"
     return out
@@ -275,8 +277,8 @@ def install(ctx, tuned: dict) -> list[str]:
     """The re-tune's validated winner becomes the study's exported best (best/*, validation.json)."""
     new = load_study(tuned["directory"], ctx.storage)
     written = export.export(new, out=ctx.best_dir)
-    shutil.copyfile(new.best_dir / "validation.json", ctx.best_dir / "validation.json")
-    return [str(p) for p in written] + [str(ctx.best_dir / "validation.json")]
+    copied = Validation.load(new.best_dir).write(ctx.best_dir / "validation.json")
+    return [str(p) for p in written] + [str(copied)]
 
 
 def flag_changes(adapter, old: list[str], new: list[str]) -> list[dict]:
@@ -328,12 +330,12 @@ def check(study: str | Path, *, storage: str | None = None, tolerance: float = 0
     old_argv = result["recheck"]["argv"]
     tuned = retune(ctx, ref, budget_s=retune_budget_s, trials=retune_trials, console=console)
     result["retune"] = {k: v for k, v in tuned.items() if k != "validation"}
-    winner = (tuned.get("validation") or {}).get("winner")
+    winner = tuned["validation"].winner if tuned.get("validation") else None
     if winner:
         result["files"] = install(ctx, tuned)
-        result["new"] = {"trial": winner["trial"], "study": tuned["study"], "median": winner["median"],
-                         "stats": {k: (v or {}).get("median") for k, v in winner["stats"].items()},
-                         "flags_changed": flag_changes(ctx.adapter, old_argv, winner["argv"])}
+        result["new"] = {"trial": winner.trial, "study": tuned["study"], "median": winner.median,
+                         "stats": {k: v.median for k, v in winner.stats.items()},
+                         "flags_changed": flag_changes(ctx.adapter, old_argv, winner.argv)}
         refresh_provenance(ctx, current, hardware, {**stamp, "retuned": tuned["study"]}, recorded)
     elif "problem" not in tuned:
         result["retune"]["problem"] = "no configuration passed validation"

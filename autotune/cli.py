@@ -482,28 +482,28 @@ def validate(
     """Relaunch the study's best configurations fresh and pick the winner.
 
     Benchmarks each several times, compares greedy outputs with the defaults', writes best/validation.json."""
-    from autotune import validate as validation
+    from autotune.validate import validate as validate_study
 
     given = {"top": top, "repeats": repeats, "max_noise": max_noise, "quality_prompts": quality_prompts,
              "quality_tokens": quality_tokens}  # unset: validate's own defaults (the [default] in the help)
     try:
-        doc = validation.validate(_study_ref(study, studies_dir), storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
+        doc = validate_study(_study_ref(study, studies_dir), storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
                                   load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
     except (ValueError, OSError) as e:
         _fail(e)
     except KeyboardInterrupt:
         _fail(RuntimeError("interrupted"), 130)
-    for c in doc["candidates"]:
-        s = c.get("stats", {}).get(doc["metric"], {})
-        median = f"{s['median']:.4g} (MAD {s['rel_mad']:.1%})" if s.get("median") is not None else "-"
-        typer.echo(f"trial {c['trial']}: {c['status']} {doc['metric']} median {median}"
-                   + (f": {'; '.join(c['reasons'])}" if c["reasons"] else ""))
-    if doc["winner"] is None:
+    for c in doc.candidates:
+        s = c.stats.get(doc.metric)
+        median = f"{s.median:.4g} (MAD {s.rel_mad:.1%})" if s and s.median is not None else "-"
+        typer.echo(f"trial {c.trial}: {c.status} {doc.metric} median {median}"
+                   + (f": {'; '.join(r.text for r in c.reasons)}" if c.reasons else ""))
+    if doc.winner is None:
         typer.echo("error: no configuration passed validation", err=True)
         raise typer.Exit(1)
-    gain = doc["winner"]["gain_over_baseline"]
-    typer.echo(f"winner: trial {doc['winner']['trial']}" + (f", {gain:.2f}x the baseline" if gain else "")
-               + (f" (warning: {doc['winner']['warning']})" if doc["winner"].get("warning") else ""))
+    gain = doc.winner.gain_over_baseline
+    typer.echo(f"winner: trial {doc.winner.trial}" + (f", {gain:.2f}x the baseline" if gain else "")
+               + (f" (warning: {doc.winner.warning})" if doc.winner.warning else ""))
 
 
 @app.command()

@@ -30,6 +30,7 @@ import yaml
 from autotune.engines.base import flag_lines
 from autotune.study.schedule import read_fit
 from autotune.study.storage import StudyContext, load_study
+from autotune.validate.record import Validation
 
 FORMATS = ("sh", "yaml", "json", "docker")
 NUMBERS = (("output_tok_s", "output tok/s", "{:.1f}"), ("e2e_ms_p95", "p95 e2e ms", "{:.0f}"),
@@ -39,16 +40,16 @@ NUMBERS = (("output_tok_s", "output tok/s", "{:.1f}"), ("e2e_ms_p95", "p95 e2e m
 
 def chosen(ctx: StudyContext) -> dict:
     """The configuration to export: the validated winner, else (never validated) the study's best trial."""
-    path = ctx.best_dir / "validation.json"
-    if path.exists():
-        doc = json.loads(path.read_text())
-        if doc.get("winner") is None:
-            why = "; ".join(f"trial {d['trial']}: {d['reasons'][0]}" for d in doc.get("demoted", []))
+    doc = Validation.load(ctx.best_dir)
+    if doc is not None:
+        if doc.winner is None:
+            why = "; ".join(f"trial {d.trial}: {d.reasons[0].text}" for d in doc.demoted)
             raise ValueError(f"no configuration of {ctx.name!r} passed validation ({why or 'none measured'})")
-        w = doc["winner"]
-        return {"trial": w["trial"], "config": w["config"], "validated": True, "stats": w.get("stats") or {},
-                "gain": w.get("gain_over_baseline"), "settings": doc.get("settings", {}), "written": doc.get("written"),
-                "warning": w.get("warning"), "repeats": w.get("repeats"), "tie": doc.get("tie")}
+        w = doc.winner
+        return {"trial": w.trial, "config": w.config, "validated": True,
+                "stats": {k: s.model_dump() for k, s in w.stats.items()}, "gain": w.gain_over_baseline,
+                "settings": doc.settings, "written": doc.written, "warning": w.warning, "repeats": w.repeats,
+                "tie": doc.tie.model_dump() if doc.tie else None}
     best = ctx.ranked()
     if not best:
         raise ValueError(f"study {ctx.name!r} has no measured trial that met its requirements: nothing to export")

@@ -15,12 +15,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from autotune import export, report, validate
+from autotune import export, report
 from autotune.estimator import evaluate_for_study, fit_from_study
 from autotune.estimator.live import measurable
 from autotune.study import schedule
 from autotune.study.budget import REPORT_S, Budget, Finish, Prices, minutes
 from autotune.study.storage import load_study
+from autotune.validate.record import Validation, Winner
+from autotune.validate.run import DEFAULT_REPEATS, DEFAULT_TOP, validate
 
 LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed", "min_measure_s")
 
@@ -30,7 +32,7 @@ def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
     validation settings; the estimator's live passes where its setup runs on the embedded engine)."""
     if not p.opts.budget_s:
         return None
-    settings = {"top": validate.DEFAULT_TOP, "repeats": validate.DEFAULT_REPEATS, **p.adapter.finish_validation}
+    settings = {"top": DEFAULT_TOP, "repeats": DEFAULT_REPEATS, **p.adapter.finish_validation}
     passes = estimator and measurable(p.space.defaults())
     varies = p.load_profile is not None and len(p.load_profile.concurrencies()) > 1
     sweep = (schedule.planned_sweep(p.adapter, schedule.levels_for(p.load_profile, p.opts.concurrency),
@@ -40,8 +42,8 @@ def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
                   start=start)
 
 
-def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = validate.DEFAULT_TOP,
-           repeats: int = validate.DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
+def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = DEFAULT_TOP,
+           repeats: int = DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
            console=None, estimator: bool = True, budget: Budget | None = None, **validate_options) -> dict:
     """validate -> draft-length schedule (when the load varies or run_options.fit_schedule) -> export ->
     estimator fit -> estimator eval -> report. `run_options` (the tuner's RunOptions)
@@ -79,8 +81,8 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
         schedule.fit_for_study(ctx, pick["config"], pick["trial"], deadline=end, launch_timeout_s=timeout)
         return ctx.best_dir / schedule.SCHEDULE_FILE
 
-    steps = [("validation", lambda: validate.validate(ctx, top=top, repeats=repeats, slo=slo, load=load,
-                                                       console=console, deadline=deadline, **validate_options)),
+    steps = [("validation", lambda: validate(ctx, top=top, repeats=repeats, slo=slo, load=load, console=console,
+                                              deadline=deadline, **validate_options)),
              ("schedule", fit_schedule),  # before the export: launch.sh carries it
              ("exported", lambda: export.export(ctx))]
 
@@ -115,26 +117,27 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     """What `autotune run` ends on: what was exported (not the search's best), its validated numbers, whether it
     beat its rivals beyond the noise or tied, its greedy output against plain decoding, where it all is, and
     the time it took against its budget."""
-    doc, lines = done.get("validation"), []
-    winner = (doc or {}).get("winner")
+    doc: Validation | None = done.get("validation")
+    lines = []
+    winner = doc.winner if doc else None
     if winner is None:
         lines.append("exported: nothing validated" + (f" ({done['problems'][0]})" if done["problems"] else ""))
     else:
-        metric, stats = doc["metric"], winner["stats"][doc["metric"]]
-        ci = stats.get("ci95")
-        lines.append(f"exported: trial {winner['trial']} ({_changed(doc, winner)})")
-        gain = winner.get("gain_over_baseline")
-        lines.append(f"validated: {metric} {stats['median']:.4g}" + (f" (95% CI {ci[0]:.4g}..{ci[1]:.4g})" if ci else "")
-                     + f", median of {winner['repeats']} benchmarks on fresh launches"
-                     + (f"; {gain:.2f}x the engine defaults ({doc['baseline']['label']})" if gain else ""))
-        if doc.get("tie"):
-            lines.append(f"tie: {doc['tie']['why']}")
-        for c in doc.get("comparisons", []):
-            if c.get("beyond_noise"):
-                low, high = c["interval"]
-                lines.append(f"beats {c['rival']} beyond the noise: {c['gain']:.2f}x "
-                             f"({c['confidence']:.0%} interval {low:.2f}..{high:.2f})")
-        quality = next((c.get("quality") for c in doc["candidates"] if c["label"] == winner["label"]), None) or {}
+        metric, stats = doc.metric, winner.stats[doc.metric]
+        ci = stats.ci95
+        lines.append(f"exported: trial {winner.trial} ({_changed(doc, winner)})")
+        gain = winner.gain_over_baseline
+        lines.append(f"validated: {metric} {stats.median:.4g}" + (f" (95% CI {ci[0]:.4g}..{ci[1]:.4g})" if ci else "")
+                     + f", median of {winner.repeats} benchmarks on fresh launches"
+                     + (f"; {gain:.2f}x the engine defaults ({doc.baseline.label})" if gain else ""))
+        if doc.tie:
+            lines.append(f"tie: {doc.tie.why}")
+        for c in doc.comparisons:
+            if c.beyond_noise:
+                low, high = c.interval
+                lines.append(f"beats {c.rival} beyond the noise: {c.gain:.2f}x "
+                             f"({c.confidence:.0%} interval {low:.2f}..{high:.2f})")
+        quality = next((c.quality for c in doc.candidates if c.label == winner.label), None) or {}
         if quality.get("checked"):
             lines.append(f"greedy output vs plain decoding: {quality['identical']}/{quality['prompts']} prompts identical,"
                          f" {quality['identical_share']:.0%} of {quality['unit']}s agree ({quality['mode']})")
@@ -152,8 +155,8 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     return lines + [f"note: {problem}" for problem in done["problems"]]
 
 
-def _changed(doc: dict, winner: dict) -> str:
+def _changed(doc: Validation, winner: Winner) -> str:
     """The winner's settings that differ from the baseline's (the engine defaults with the user's pins)."""
-    base = doc["baseline"]["config"]
-    diff = [f"{k}={v}" for k, v in winner["config"].items() if base.get(k) != v]
+    base = doc.baseline.config
+    diff = [f"{k}={v}" for k, v in winner.config.items() if base.get(k) != v]
     return " ".join(diff) or "the engine defaults"

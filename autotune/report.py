@@ -26,7 +26,8 @@ from autotune.export import hardware_line, versions
 from autotune.study.record import is_ok
 from autotune.study.schedule import read_fit
 from autotune.study.storage import StudyContext, load_study
-from autotune.validate import baseline_config
+from autotune.validate.baseline import baseline_config
+from autotune.validate.record import Validation
 
 NO_DRAFTER = (None, "none")
 PNG_FIGURES = ("history", "pareto", "draft_length", "latency")
@@ -53,9 +54,8 @@ def trials_frame(ctx: StudyContext) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=None if rows else ["number", "state", "status", "ok", "reason", "config", "value"])
 
 
-def validation_doc(ctx: StudyContext) -> dict | None:
-    path = ctx.best_dir / "validation.json"
-    return json.loads(path.read_text()) if path.exists() else None
+def validation_doc(ctx: StudyContext) -> Validation | None:
+    return Validation.load(ctx.best_dir)
 
 
 def request_frames(ctx: StudyContext) -> dict[str, pd.DataFrame]:
@@ -284,11 +284,11 @@ def fig_stop_rule(ctx: StudyContext):
     return fig
 
 
-def fig_latency(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame], validation: dict | None):
-    winner = ((validation or {}).get("winner") or {}).get("trial")
+def fig_latency(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame], validation: Validation | None):
+    winner = validation.winner.trial if validation and validation.winner else None
     best = ctx.ranked()
     winner = winner if winner is not None else (best[0].number if best else None)
-    same = bool(validation) and validation["baseline"].get("trial") == winner  # the winner is the baseline config
+    same = bool(validation) and validation.baseline.trial == winner  # the winner is the baseline config
     pairs = []  # (name, frame)
     for name, labels in (("winner" + (" (= baseline)" if same else ""),
                           [f"validation trial-{winner}", *(["validation baseline"] if same else []), f"trial-{winner}"]),
@@ -330,25 +330,25 @@ def _table(headers: list[str], rows: list[list], raw_columns: tuple[int, ...] = 
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" + body + "</table>"
 
 
-def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) -> list[str]:
+def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: Validation | None) -> list[str]:
     counts = df["status"].value_counts().to_dict() if not df.empty else {}
     lines = [f"study {ctx.name}: engine {ctx.engine}, objective {ctx.objective}, workload {ctx.workload}",
              f"trials: {len(df)} ({', '.join(f'{v} {k}' for k, v in counts.items()) or 'none'})",
              f"hardware: {hardware_line(ctx.provenance)}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in versions(ctx.provenance).items() if v)]
     metric = ctx.primary()[0]
-    if validation and validation.get("winner"):
-        w = validation["winner"]
-        s = w["stats"][metric]
-        gain = f", {w['gain_over_baseline']:.2f}x the baseline" if w.get("gain_over_baseline") else ""
-        who = f"trial {w['trial']}" if w.get("trial") is not None else w.get("label", "the baseline")
-        lines.append(f"validated winner: {who}, {metric} median {s['median']:.4g} "
-                     f"(95% CI {s['ci95'][0]:.4g}..{s['ci95'][1]:.4g}) over {len(s['values'])} repeats{gain}")
-        if w.get("warning"):
-            lines.append(f"warning: {w['warning']}")
+    if validation and validation.winner:
+        w = validation.winner
+        s = w.stats[metric]
+        gain = f", {w.gain_over_baseline:.2f}x the baseline" if w.gain_over_baseline else ""
+        who = f"trial {w.trial}" if w.trial is not None else w.label or "the baseline"
+        lines.append(f"validated winner: {who}, {metric} median {s.median:.4g} "
+                     f"(95% CI {s.ci95[0]:.4g}..{s.ci95[1]:.4g}) over {len(s.values)} repeats{gain}")
+        if w.warning:
+            lines.append(f"warning: {w.warning}")
         lines += comparison_lines(validation)
-        agreement = agreement_line(next((c.get("quality") for c in validation.get("candidates", [])
-                                         if c.get("trial") == w["trial"]), None) or validation["baseline"].get("quality"))
+        winner = validation.candidate(w.trial)
+        agreement = agreement_line((winner.quality if winner else None) or validation.baseline.quality)
         if agreement:
             lines.append(f"greedy output of the winner vs the baseline: {agreement}")
     elif validation:
@@ -357,27 +357,27 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: dict | None) 
     if best:
         lines.append(f"best in the study: trial {best[0].number}, {metric} {best[0].values[0]:.4g}"
                      + ("" if validation else " (not validated: run `autotune validate`)"))
-    for d in (validation or {}).get("demoted", []):
-        lines.append(f"demoted trial {d['trial']}: {'; '.join(d['reasons'])}")
+    for d in validation.demoted if validation else []:
+        lines.append(f"demoted trial {d.trial}: {'; '.join(r.text for r in d.reasons)}")
     fit = read_fit(ctx.best_dir)
     if fit:
         lines.append(fit.summary_line() + "".join(f"; {note}" for note in fit.notes))
     return lines
 
 
-def comparison_lines(validation: dict) -> list[str]:
+def comparison_lines(validation: Validation) -> list[str]:
     """The winner against each rival (the runner-up, the baseline) with the noise, and the tie if one."""
     lines = []
-    for c in validation.get("comparisons", []):
-        if c.get("gain") is None:
-            lines.append(f"{c['winner']} vs {c['rival']}: too few repeats to compare ({c['repeats']})")
+    for c in validation.comparisons:
+        if c.gain is None:
+            lines.append(f"{c.winner} vs {c.rival}: too few repeats to compare ({c.repeats})")
             continue
-        lo, hi = c["interval"]
-        lines.append(f"{c['winner']} vs {c['rival']}: {c['gain']:.3f}x ({c['confidence']:.0%} interval {lo:.3f}..{hi:.3f}, "
-                     f"{c['repeats'][0]} and {c['repeats'][1]} repeats): "
-                     + ("beyond the noise" if c["beyond_noise"] else "within the noise"))
-    if validation.get("tie"):
-        lines.append(f"tie: {validation['tie']['why']}")
+        lo, hi = c.interval
+        lines.append(f"{c.winner} vs {c.rival}: {c.gain:.3f}x ({c.confidence:.0%} interval {lo:.3f}..{hi:.3f}, "
+                     f"{c.repeats[0]} and {c.repeats[1]} repeats): "
+                     + ("beyond the noise" if c.beyond_noise else "within the noise"))
+    if validation.tie:
+        lines.append(f"tie: {validation.tie.why}")
     return lines
 
 
@@ -432,16 +432,16 @@ def write_report(study: str | Path | StudyContext, *, storage: str | None = None
     return path
 
 
-def top_table(ctx: StudyContext, validation: dict | None, limit: int = 10) -> str:
-    verdicts = {c["trial"]: c for c in (validation or {}).get("candidates", [])}
+def top_table(ctx: StudyContext, validation: Validation | None, limit: int = 10) -> str:
+    verdicts = {c.trial: c for c in validation.candidates} if validation else {}
     metric = ctx.primary()[0]
     rows = []
     for t in ctx.ranked()[:limit]:
         m = t.user_attrs.get("metrics") or {}
         v = verdicts.get(t.number)
-        verdict = "not validated" if v is None else v["status"] + (f": {'; '.join(v['reasons'])}" if v["reasons"] else
-                                                                  f" (median {v['stats'][metric]['median']:.4g})")
-        q = (v or {}).get("quality") or {}
+        verdict = "not validated" if v is None else v.status + (f": {'; '.join(r.text for r in v.reasons)}"
+                                                                if v.reasons else f" (median {v.stats[metric].median:.4g})")
+        q = (v.quality if v else None) or {}
         agreement = agreement_line(q)
         if agreement:
             verdict += f"; greedy output vs the baseline: {agreement}"

@@ -13,10 +13,11 @@ import optuna
 import pytest
 import yaml
 
-from autotune import ci, export, provenance, validate
+from autotune import ci, export, provenance
 from autotune.engines import get_adapter
 from autotune.study import loop, plan
 from autotune.study.storage import load_study
+from autotune.validate import validate
 
 SETS = ["drafter=none,ngram", "draft_length=2", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
         "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -33,7 +34,7 @@ def recorded(tmp_path_factory):
                              live=False, sets=SETS, **LOAD)
     loop.run_study(plan.build(opts))
     directory = root / NAME
-    validate.validate(directory, top=1, repeats=1, quality_prompts=1, quality_tokens=8, load=LOAD, progress=False)
+    validate(directory, top=1, repeats=1, quality_prompts=1, quality_tokens=8, load=LOAD, progress=False)
     export.export(directory)
     prov = json.loads((directory / "provenance.json").read_text())
     prov["fingerprint"] = provenance.fingerprint(get_adapter("embedded"), prov["model"])

@@ -1,10 +1,14 @@
-"""No function changes its inputs (issue 33 point 4): the plan and the embedded engine work on copies
-of what their caller passed."""
+"""No function changes its inputs (issue 33 point 4): the plan, validation and the embedded engine work on
+copies of what their caller passed."""
 import copy
+
+import pytest
 
 from autotune.embedded.config import EngineConfig
 from autotune.embedded.scheduler import Engine
-from autotune.study import plan
+from autotune.study import loop, plan
+from autotune.study.storage import load_study
+from autotune.validate import validate
 
 ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
               "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -26,3 +30,18 @@ def test_update_runtime_leaves_the_callers_config_alone():
     assert engine.update_runtime(ngram_min=2, ngram_max=3)["ngram_max"] == 3
     assert (engine.config.ngram_min, engine.config.ngram_max) == (2, 3)
     assert config == before
+
+
+@pytest.mark.slow
+def test_validate_measures_its_own_load_and_leaves_the_studys_alone(tmp_path):
+    """validate(load=...) overrides the study's load for its own measurements; the context the caller passed
+    (which export and the schedule read next) keeps the study's load."""
+    opts = plan.RunOptions(trials=1, study="validated", sets=ONE_SERVER, studies_root=str(tmp_path), workload="chat",
+                           concurrency=2, quick_requests=1, live=False, num_requests=2, max_tokens=8, min_measure_s=0)
+    loop.run_study(plan.build(opts))
+    ctx = load_study(tmp_path / "validated")
+    before = copy.deepcopy(ctx.load)
+    doc = validate(ctx, top=1, repeats=1, quality_prompts=1, quality_tokens=4, load={"max_tokens": 4},
+                   progress=False)
+    assert before["max_tokens"] == 8 and doc.settings["max_tokens"] == 4  # measured with the override...
+    assert ctx.load == before  # ...which stayed out of the caller's context

@@ -94,12 +94,12 @@ def test_live_study_finishes_with_validation_export_and_report(study):
         predicted = predict_memory(load_model(None), t.user_attrs["config"], get_profile("cpu"), engine=ADAPTER)
         assert predicted.kv_tokens == slots * per_slot
     assert done["problems"] == [], done["problems"]
-    winner = done["validation"]["winner"]
-    assert winner is not None and winner["trial"] in (0, 1)
-    assert done["validation"]["baseline"]["config"]["spec_type"] == "none"
+    winner = done["validation"].winner
+    assert winner is not None and winner.trial in (0, 1)
+    assert done["validation"].baseline.config["spec_type"] == "none"
     best = outcome.directory / "best"
     assert {p.name for p in done["exported"]} >= {"launch.sh", "launch.json", "config.yaml"}
-    assert json.loads((best / "launch.json").read_text())["config"] == winner["config"]
+    assert json.loads((best / "launch.json").read_text())["config"] == winner.config
     assert ADAPTER.validate_flags(json.loads((best / "launch.json").read_text())["argv"]) == []
     assert done["report"] and "ngram-simple" in Path(done["report"]).read_text()
 
@@ -107,7 +107,7 @@ def test_live_study_finishes_with_validation_export_and_report(study):
 @pytest.mark.slow
 def test_exported_launch_script_starts_llama_server_and_answers(study, tmp_path):
     outcome, done = study
-    config = done["validation"]["winner"]["config"]
+    config = done["validation"].winner.config
     with exported_server(outcome.directory / "best" / "launch.sh", tmp_path / "launch-sh.log", STARTUP_S) as (proc, url):
         assert os.path.realpath(f"/proc/{proc.pid}/exe") == os.path.realpath(BINARY)  # exec'd: the real server
         r = httpx.post(url + "/v1/completions", timeout=120,
@@ -158,7 +158,7 @@ def copying(tmp_path_factory):
     finally:
         server.stop()
     assert r.status_code == 200, r.text
-    names = ADAPTER.spec_counters
+    names = ADAPTER.facts.spec_counters
     steps, drafted, accepted = (after[n] - before.get(n, 0.0) for n in names)
     return r.json()["timings"], {"steps": steps, "drafted": drafted, "accepted": accepted}
 

@@ -20,7 +20,7 @@ from autotune.study import trial as trial_life
 from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
 from autotune.study.budget import Budget, Finish, Prices
 from autotune.study.live import LiveView
-from autotune.validate import fitting_round
+from autotune.validate.race import fitting_round
 
 # Tiny benchmarks: these tests are about the loop, not the numbers.
 SMALL = dict(workload="code", num_requests=2, quick_requests=1, concurrency=2, max_tokens=8, live=False, min_measure_s=0)
@@ -309,7 +309,7 @@ def test_plan_prints_the_space_and_seeds_fitted_to_an_h200_and_the_load(tmp_path
 def test_the_defaults_seed_is_marked_and_is_the_baseline_wherever_it_is_queued(studies):
     """On a GPU the fitted seeds are queued before the defaults; validation's baseline is still the defaults
     (with speculation off), found by the seed's mark rather than its place; on a CPU the defaults stay first."""
-    from autotune import validate
+    from autotune.validate.baseline import baseline_config
 
     p = plan.build(plan.RunOptions(gpu="h200-sxm", study="order", **{**SMALL, "concurrency": 4}))
     study = optuna.create_study(direction="maximize")
@@ -321,8 +321,8 @@ def test_the_defaults_seed_is_marked_and_is_the_baseline_wherever_it_is_queued(s
     # The run records the defaults seed on the study: the baseline before (or without) its trial running.
     study.set_user_attr("defaults_seed_config", defaults)
     study.enqueue_trial(p.space.trial_params(queued[0]["seed_config"]), user_attrs=queued[0])  # a fitted seed ran
-    config, trial = validate.baseline_config(SimpleNamespace(study=study, adapter=p.adapter))
-    assert config == {**defaults, **p.adapter.speculation_off} and trial is None  # queued, not yet measured
+    config, trial = baseline_config(SimpleNamespace(study=study, adapter=p.adapter))
+    assert config == {**defaults, **p.adapter.facts.speculation_off} and trial is None  # queued, not yet measured
     cpu = plan.build(plan.RunOptions(gpu="cpu", study="order-cpu", **SMALL))
     assert cpu.space.seed_configs()[0] == cpu.space.defaults()
 

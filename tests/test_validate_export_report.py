@@ -7,8 +7,9 @@ import json
 import shutil
 import subprocess
 import sys
-from types import SimpleNamespace
 import types
+from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -18,18 +19,22 @@ import pytest
 import yaml
 from conftest import exported_server
 
-from autotune import export, report, validate
+from autotune import export, report
 from autotune.engines import get_adapter
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop
 from autotune.study import plan as planning
 from autotune.study.record import is_ok
 from autotune.study.storage import load_study
+from autotune.validate import quality, race, statistics
+from autotune.validate.record import Reason, Validation
+from autotune.validate.run import validate
 
 SETS = ["drafter=none,ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",
         "verify_slots=2", "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
 # min_measure_s 0: the asked requests, not multiplied to fill MEASURE_S (these tests are about plumbing)
 LOAD = {"num_requests": 2, "max_tokens": 8, "min_measure_s": 0}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class CrashOnSecondLaunch(EmbeddedAdapter):
@@ -58,7 +63,7 @@ def study_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def validated(study_dir):
     # Two repeats, no more (max_repeats): the spread-driven repeats and ties have their own test below.
-    return validate.validate(study_dir, top=2, repeats=2, max_repeats=2, quality_prompts=2, quality_tokens=8, load=LOAD,
+    return validate(study_dir, top=2, repeats=2, max_repeats=2, quality_prompts=2, quality_tokens=8, load=LOAD,
                              progress=False)
 
 
@@ -69,8 +74,9 @@ def exported(study_dir, validated):
 
 @pytest.mark.slow
 def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated):
-    doc = json.loads((study_dir / "best" / "validation.json").read_text())
-    assert doc == json.loads(json.dumps(validated, default=str))
+    doc = json.loads((study_dir / "best" / "validation.json").read_text())  # the file as other tools read it
+    assert doc == json.loads(json.dumps(validated.dump(), default=str))
+    assert Validation.load(study_dir / "best") == validated  # the one loader reads back what was written
     study = optuna.load_study(study_name="handover", storage=f"sqlite:///{study_dir / 'study.db'}")  # plain Optuna
     trials = study.get_trials()
     assert any(t.user_attrs.get("status") == "failed" for t in trials)  # the crash is recorded, and skipped
@@ -98,7 +104,8 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
     # heads the tie a simpler configuration was exported for; a noisy fastest one leaves a warning, a clean one none.
     chosen, median = candidates[winner["trial"]], lambda c: c["stats"]["output_tok_s"]["median"]
     fastest = candidates[doc["tie"]["trials"][0]] if doc["tie"] else chosen
-    contenders = [c for c in doc["candidates"] if all(r.startswith("noisy:") for r in c["reasons"])]
+    assert all(len(c["reasons"]) == len(c["reason_kinds"]) for c in doc["candidates"])  # texts, and kinds beside them
+    contenders = [c for c in doc["candidates"] if all(kind == "noisy" for kind in c["reason_kinds"])]
     assert fastest in contenders and all(median(c) <= median(fastest) for c in contenders)
     assert (winner["warning"] is None) == (not fastest["reasons"])
     # The gain is the winner's median over the defaults' (drafter none), and the defaults are a candidate
@@ -113,25 +120,40 @@ def test_validation_picks_a_winner_with_medians_and_spread(study_dir, validated)
     assert study.user_attrs["validated_best_trial"] == winner["trial"]
 
 
-def candidate(trial: int, median: float | None, *reasons: str) -> dict:
+NOISY = Reason(kind="noisy", text="noisy: output_tok_s MAD 9% of the median > 5%")
+
+
+def candidate(trial: int, median: float | None, *reasons: Reason) -> dict:
     return {"trial": trial, "stats": {"output_tok_s": {"median": median}}, "reasons": list(reasons)}
 
 
 def test_pick_takes_the_fastest_whose_only_fault_is_noise():
-    slo_miss = candidate(1, 300.0, "slo: repeat 0 p95_ttft_ms<100 (was 130)")
+    slo_miss = candidate(1, 300.0, Reason(kind="slo", text="slo: repeat 0 p95_ttft_ms<100 (was 130)"))
     steady, slower = candidate(2, 200.0), candidate(3, 150.0)
-    noisy = candidate(4, 250.0, "noisy: output_tok_s MAD 9% of the median > 5%")
-    noisy_and_wrong = candidate(5, 400.0, "noisy: output_tok_s MAD 9% of the median > 5%", "quality: greedy output differs")
-    unmeasured = [candidate(6, None), {"trial": 7, "failure": "launch crash: exited", "reasons": ["flaky: launch crash"]}]
+    noisy = candidate(4, 250.0, NOISY)
+    noisy_and_wrong = candidate(5, 400.0, NOISY, Reason(kind="quality", text="quality: greedy requests failed"))
+    crashed = Reason(kind="launch_failed", text="flaky: launch crash")
+    unmeasured = [candidate(6, None), {"trial": 7, "failure": crashed, "reasons": [crashed]}]
     # Noise alone does not demote (settle weighs it); an SLO miss, or noise with another fault, does.
-    best, warning = validate.pick_winner([slo_miss, noisy, slower, steady, noisy_and_wrong, *unmeasured],
-                                         "output_tok_s", "maximize")
+    best, warning = race.pick_winner([slo_miss, noisy, slower, steady, noisy_and_wrong, *unmeasured],
+                                     "output_tok_s", "maximize")
     assert best is noisy and "trial 4" in warning and "noisy" in warning
-    assert validate.pick_winner([slo_miss, slower, steady, noisy_and_wrong], "output_tok_s", "maximize") == (steady, None)
-    assert validate.pick_winner([slo_miss, noisy_and_wrong, *unmeasured], "output_tok_s", "maximize") == (None, None)
+    assert race.pick_winner([slo_miss, slower, steady, noisy_and_wrong], "output_tok_s", "maximize") == (steady, None)
+    assert race.pick_winner([slo_miss, noisy_and_wrong, *unmeasured], "output_tok_s", "maximize") == (None, None)
     # A metric to minimise (a latency objective): the smallest that passed.
-    assert validate.pick_winner([slower, steady, candidate(9, 90.0, "flaky: repeat 1 had errors")], "output_tok_s",
-                          "minimize") == (slower, None)
+    errors = Reason(kind="request_errors", text="flaky: repeat 1 had errors")
+    assert race.pick_winner([slower, steady, candidate(9, 90.0, errors)], "output_tok_s", "minimize") == (slower, None)
+
+
+def test_decisions_read_a_reasons_kind_not_its_text():
+    """A reason of kind noisy is noise whatever it says, and one that says "noisy:" is not noise unless its kind
+    is: the race (contenders, pick_winner, settle) reads kinds."""
+    odd_noise = candidate(1, 300.0, Reason(kind="noisy", text="the repeats spread widely"))
+    slo_in_noisy_words = candidate(2, 400.0, Reason(kind="slo", text="noisy: output_tok_s MAD 9% of the median > 5%"))
+    best, warning = race.pick_winner([odd_noise, slo_in_noisy_words], "output_tok_s", "maximize")
+    assert best is odd_noise and warning == "trial 1 wins by median with the repeats spread widely"
+    assert race.contenders([odd_noise, slo_in_noisy_words], "output_tok_s") == [odd_noise]
+    assert race.only_noisy([Reason(kind="noisy", text="")]) and not race.only_noisy([Reason(kind="slo", text="noisy:")])
 
 
 def test_a_noisy_winner_far_beyond_its_noise_is_exported_and_one_inside_it_ties():
@@ -146,17 +168,17 @@ def test_a_noisy_winner_far_beyond_its_noise_is_exported_and_one_inside_it_ties(
                 "runs": [{"output_tok_s": v} for v in runs], "stats": {"output_tok_s": {"median": float(np.median(values))}}}
 
     fast = rec("trial-1", {"dtype": "bfloat16", "compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4]},
-               [370.84, 478.29], "noisy: output_tok_s MAD 13% of the median > 10%")
+               [370.84, 478.29], Reason(kind="noisy", text="noisy: output_tok_s MAD 13% of the median > 10%"))
     defaults = rec("trial-0", {}, [92.82, 82.84])
-    winner, warning = validate.pick_winner([fast, defaults], "output_tok_s", "maximize")
+    winner, warning = race.pick_winner([fast, defaults], "output_tok_s", "maximize")
     assert winner is fast and "noisy" in warning
-    comparison = validate.compare(fast, defaults, "output_tok_s", "maximize", validate.CONFIDENCE, looks=1)
+    comparison = statistics.compare(fast, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, looks=1)
     assert comparison["beyond_noise"] and comparison["interval"][0] > 1.0
-    assert validate.settle(ctx, winner, [comparison], [fast, defaults], defaults) == (fast, None)
+    assert race.settle(ctx, winner, [comparison], [fast, defaults], defaults) == (fast, None)
     # The same noise around a 10% gain is a tie, and the configuration closer to the defaults is exported.
     close = rec("trial-1", fast["config"], [88.0, 113.0], *fast["reasons"])
-    comparison = validate.compare(close, defaults, "output_tok_s", "maximize", validate.CONFIDENCE, looks=1)
-    chosen, tie = validate.settle(ctx, close, [comparison], [close, defaults], defaults)
+    comparison = statistics.compare(close, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, looks=1)
+    chosen, tie = race.settle(ctx, close, [comparison], [close, defaults], defaults)
     assert not comparison["beyond_noise"] and chosen is defaults and tie["exported"] == "trial-0"
 
 
@@ -165,27 +187,28 @@ def test_judge_demotes_with_reasons(study_dir, validated):
     from autotune.bench import parse_slo
 
     ctx = load_study(study_dir)
-    rec = {**validated["candidates"][0], "runs": [{"error_rate": 0.0, "ttft_ms_p95": 50.0}, {"error_rate": 0.5,
+    rec = {**validated.candidates[0].model_dump(exclude_unset=True), "runs": [{"error_rate": 0.0, "ttft_ms_p95": 50.0}, {"error_rate": 0.5,
                                                   "errors_by_kind": {"http": 1}, "ttft_ms_p95": 900.0}]}
-    rec["stats"] = {"output_tok_s": validate.spread([10.0, 14.0, 10.5])}
-    reasons = validate.judge(ctx, rec, parse_slo("p95_ttft_ms<100"), max_noise=0.02)
-    assert any(r.startswith("flaky: repeat 1 had errors") for r in reasons)
-    assert any(r.startswith("slo: repeat 1 p95_ttft_ms<100") for r in reasons)
-    assert not any(r.startswith("slo: repeat 0") for r in reasons)
-    assert any(r.startswith("noisy: output_tok_s MAD 5% of the median > 2%") for r in reasons)
-    assert validate.judge(ctx, {"failure": "launch crash: exited"}, None, 0.1) == ["flaky: launch crash: exited"]
+    rec["stats"] = {"output_tok_s": statistics.spread([10.0, 14.0, 10.5])}
+    reasons = race.judge(ctx, rec, parse_slo("p95_ttft_ms<100"), max_noise=0.02)
+    assert [r.kind for r in reasons] == ["request_errors", "slo", "noisy"]
+    assert reasons[0].text.startswith("flaky: repeat 1 had errors")
+    assert reasons[1].text.startswith("slo: repeat 1 p95_ttft_ms<100")  # repeat 0 met it
+    assert reasons[2].text.startswith("noisy: output_tok_s MAD 5% of the median > 2%")
+    crash = Reason(kind="launch_failed", text="launch crash: exited")
+    assert race.judge(ctx, {"failure": crash}, None, 0.1) == [Reason(kind="launch_failed", text="flaky: launch crash: exited")]
 
 
 def test_spread_and_first_divergence():
-    s = validate.spread([1.0, 2.0, 10.0])
+    s = statistics.spread([1.0, 2.0, 10.0])
     assert s["median"] == 2.0 and s["mad"] == 1.0 and s["rel_mad"] == 0.5 and 1.0 <= s["ci95"][0] <= s["ci95"][1] <= 10.0
-    d = validate.first_divergence("def add(a, b): return a + b", "def add(a, b): return a - b")
+    d = quality.first_divergence("def add(a, b): return a + b", "def add(a, b): return a - b")
     assert d["char"] == 24 and d["word"] == 5 and d["baseline"].endswith("a + b") and d["candidate"].endswith("a - b")
-    assert validate.first_divergence("same", "same") is None
-    assert validate.first_divergence("abc", "abcdef")["char"] == 3
-    same_text = validate.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 1})
+    assert quality.first_divergence("same", "same") is None
+    assert quality.first_divergence("abc", "abcdef")["char"] == 3
+    same_text = quality.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 1})
     assert same_text["char"] == 2 and "same text" in same_text["candidate"]
-    assert validate.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 2}) is None
+    assert quality.output_divergence({"text": "ab", "tokens": 2}, {"text": "ab", "tokens": 2}) is None
 
 
 def config_file_args(text: str) -> list[str]:
@@ -204,7 +227,7 @@ def test_export_files_parse_and_round_trip(study_dir, validated, exported):
     assert subprocess.run(["bash", "-n", str(best / "launch.sh")], check=False).returncode == 0
     script = (best / "launch.sh").read_text()
     assert script.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in script
-    assert f"study: handover (trial {validated['winner']['trial']})" in script and "output tok/s" in script
+    assert f"study: handover (trial {validated.winner.trial})" in script and "output tok/s" in script
     assert "hardware: CPU only" in script and "torch" in script
     launch = json.loads((best / "launch.json").read_text())
     assert launch["validated"] and launch["docker"] is None and "no official image" in launch["docker_note"]
@@ -215,7 +238,7 @@ def test_export_files_parse_and_round_trip(study_dir, validated, exported):
     cut = args.index("--host")
     assert config_file_args((best / "config.yaml").read_text()) == args[:cut] and args[cut:] == [
         "--host", "127.0.0.1", "--port", "30000"]
-    assert json.loads((best / "provenance.json").read_text())["exported"]["trial"] == validated["winner"]["trial"]
+    assert json.loads((best / "provenance.json").read_text())["exported"]["trial"] == validated.winner.trial
     with pytest.raises(ValueError, match="no official container image"):
         export.export(study_dir, formats=("docker",))
 
@@ -228,7 +251,7 @@ def test_exported_launch_script_serves_a_request(study_dir, validated, exported)
             "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
-        config = validated["winner"]["config"]
+        config = validated.winner.config
         if config["drafter"] != "none":  # the script launched the winner's settings, not the defaults
             assert httpx.get(url + "/admin/runtime").json()["draft_length"] == config["draft_length"]
 
@@ -257,7 +280,7 @@ def test_report_opens_in_headless_chromium_without_errors(study_dir, validated, 
 @pytest.mark.slow
 def test_show_and_cli_errors(study_dir, validated, exported):
     out = subprocess.run([sys.executable, "-m", "autotune.cli", "show", str(study_dir)], capture_output=True, text=True, check=False)
-    assert out.returncode == 0 and f"validated winner: trial {validated['winner']['trial']}" in out.stdout
+    assert out.returncode == 0 and f"validated winner: trial {validated.winner.trial}" in out.stdout
     assert "failed" in out.stdout and "top configurations" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "autotune.cli", "export", str(study_dir / "nope")],
                          capture_output=True, text=True, check=False)
@@ -266,7 +289,7 @@ def test_show_and_cli_errors(study_dir, validated, exported):
     bad = subprocess.run([sys.executable, "-m", "autotune.cli", "validate", str(study_dir), "--repeats", "0"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr == "error: --top and --repeats must be at least 1\n"
-    assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated["winner"]["config"]["drafter"]
+    assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated.winner.config["drafter"]
 
 
 @pytest.mark.parametrize("engine, config, image", [
@@ -318,39 +341,39 @@ def test_export_for_gpu_engines_from_an_unvalidated_study(tmp_path, engine, conf
 
 # -- beyond the noise (issue 16 point 4) ------------------------------------------------------------------
 def test_gain_interval_clears_one_only_beyond_the_noise():
-    steady_gain = validate.gain_interval([150.0, 152.0, 149.0], [100.0, 101.0, 99.0], "maximize", 0.9)
+    steady_gain = statistics.gain_interval([150.0, 152.0, 149.0], [100.0, 101.0, 99.0], "maximize", 0.9)
     assert steady_gain["gain"] == pytest.approx((150 * 152 * 149 / (100 * 101 * 99)) ** (1 / 3))
     assert 1.0 < steady_gain["interval"][0] < steady_gain["gain"] < steady_gain["interval"][1]
-    same = validate.gain_interval([100.0, 104.0, 97.0], [101.0, 99.0, 103.0], "maximize", 0.9)
+    same = statistics.gain_interval([100.0, 104.0, 97.0], [101.0, 99.0, 103.0], "maximize", 0.9)
     assert same["interval"][0] < 1.0 < same["interval"][1]  # a real difference of 0.4 % inside 3 % noise
     # Each look at the interval is a chance of a false win: more looks, a wider interval.
-    wider = validate.gain_interval([150.0, 152.0, 149.0], [100.0, 101.0, 99.0], "maximize", 0.9, looks=5)
+    wider = statistics.gain_interval([150.0, 152.0, 149.0], [100.0, 101.0, 99.0], "maximize", 0.9, looks=5)
     assert wider["interval"][0] < steady_gain["interval"][0] and wider["interval"][1] > steady_gain["interval"][1]
     # A latency (minimised): the smaller is the better, the gain > 1.
-    assert validate.gain_interval([50.0, 51.0], [100.0, 98.0], "minimize", 0.9)["gain"] > 1.9
-    assert validate.gain_interval([150.0], [100.0, 101.0], "maximize", 0.9) is None  # one value: no spread yet
+    assert statistics.gain_interval([50.0, 51.0], [100.0, 98.0], "minimize", 0.9)["gain"] > 1.9
+    assert statistics.gain_interval([150.0], [100.0, 101.0], "maximize", 0.9) is None  # one value: no spread yet
 
 
 def test_a_tie_exports_the_configuration_closest_to_the_defaults():
     ctx = types.SimpleNamespace(adapter=EmbeddedAdapter(), primary=lambda: ("output_tok_s", "maximize"))  # what settle reads
     runs = lambda *v: [{"output_tok_s": x} for x in v]
-    stats = lambda *v: {"output_tok_s": validate.spread(list(v))}
+    stats = lambda *v: {"output_tok_s": statistics.spread(list(v))}
     fast = {"label": "trial-7", "trial": 7, "config": {"drafter": "ngram", "draft_length": 5, "verify_slots": 2},
             "runs": runs(101.0, 97.0, 104.0), "stats": stats(101.0, 97.0, 104.0), "reasons": []}
     plain = {"label": "trial-0", "trial": 0, "config": {"drafter": "none", "verify_slots": 2},
              "runs": runs(99.0, 103.0, 98.0), "stats": stats(99.0, 103.0, 98.0), "reasons": []}
     baseline = {**plain, "label": "baseline"}
-    comparisons = [validate.compare(fast, plain, "output_tok_s", "maximize", 0.9, 1)]
+    comparisons = [statistics.compare(fast, plain, "output_tok_s", "maximize", 0.9, 1)]
     assert not comparisons[0]["beyond_noise"]
-    chosen, tie = validate.settle(ctx, fast, comparisons, [fast, plain], baseline)
+    chosen, tie = race.settle(ctx, fast, comparisons, [fast, plain], baseline)
     assert chosen is plain and tie["fastest"] == "trial-7" and tie["exported"] == "trial-0"
     assert tie["changed"]["trial-7"] == ["draft_length", "drafter", "verify_slots"]
     # The budget ended the race before its repeats were in: the same tie, but the fastest by median is exported.
-    chosen, tie = validate.settle(ctx, fast, comparisons, [fast, plain], baseline, race_cut=True)
+    chosen, tie = race.settle(ctx, fast, comparisons, [fast, plain], baseline, race_cut=True)
     assert chosen is fast and tie["exported"] == "trial-7" and tie["race_cut"] and tie["between"] == ["trial-7", "trial-0"]
     # A clear winner is exported as it is.
     clear = {**fast, "runs": runs(150.0, 152.0, 149.0), "stats": stats(150.0, 152.0, 149.0)}
-    assert validate.settle(ctx, clear, [validate.compare(clear, plain, "output_tok_s", "maximize", 0.9, 1)],
+    assert race.settle(ctx, clear, [statistics.compare(clear, plain, "output_tok_s", "maximize", 0.9, 1)],
                            [clear, plain], baseline) == (clear, None)
 
 
@@ -366,8 +389,8 @@ def test_a_genuine_tie_on_real_servers_is_reported_and_the_default_closer_one_ex
                                quick_requests=1, live=False, sets=sets, **LOAD)
     loop.run_study(planning.build(opts))
     directory = tmp_path / "tie"
-    doc = validate.validate(directory, top=2, repeats=1, max_repeats=4, confidence=0.98, quality_prompts=2,
-                            quality_tokens=8, load=LOAD, progress=False)
+    doc = validate(directory, top=2, repeats=1, max_repeats=4, confidence=0.98, quality_prompts=2,
+                   quality_tokens=8, load=LOAD, progress=False).dump()
     assert sorted(c["config"]["prefill_ubatch"] for c in doc["candidates"]) == [256, 512]
     (comparison,) = doc["comparisons"]  # the runner-up is the defaults' configuration: one rival
     assert not comparison["beyond_noise"] and comparison["interval"][0] < 1.0 < comparison["interval"][1]
@@ -393,8 +416,8 @@ def test_configurations_that_differ_only_at_runtime_share_each_launch(tmp_path):
     opts = planning.RunOptions(trials=2, study="shared", studies_root=str(tmp_path), workload="chat", concurrency=2,
                                quick_requests=1, live=False, sets=sets, **LOAD)
     loop.run_study(planning.build(opts))
-    doc = validate.validate(tmp_path / "shared", top=2, repeats=2, max_repeats=3, quality_prompts=1,
-                            quality_tokens=8, load=LOAD, progress=False, confidence=1 - 1e-12)
+    doc = validate(tmp_path / "shared", top=2, repeats=2, max_repeats=3, quality_prompts=1,
+                   quality_tokens=8, load=LOAD, progress=False, confidence=1 - 1e-12).dump()
     by_length = {c["config"]["draft_length"]: c for c in doc["candidates"]}
     assert sorted(by_length) == [2, 4]
     short, long = by_length[2], by_length[4]
@@ -426,28 +449,41 @@ def test_an_added_round_relaunches_every_runtime_variant_of_a_launch():
     k2 = rec("trial-0", {**ngram, "draft_length": 2}, [50.0, 50.5])
     defaults = rec("baseline", {"drafter": "none"}, [60.0, 140.0])
     other = rec("trial-5", {"drafter": "none", "verify_slots": 4}, [40.0, 41.0])
-    kwargs = {"confidence": validate.CONFIDENCE, "looks": 1, "max_repeats": 3}
-    assert validate.beats(k4, k2, "output_tok_s", "maximize", validate.CONFIDENCE, 1)
-    assert not validate.beats(k4, defaults, "output_tok_s", "maximize", validate.CONFIDENCE, 1)
-    more = validate.next_round(ctx, [k4, k2, other], defaults, **kwargs)
+    kwargs = {"confidence": statistics.CONFIDENCE, "looks": 1, "max_repeats": 3}
+    assert statistics.beats(k4, k2, "output_tok_s", "maximize", statistics.CONFIDENCE, 1)
+    assert not statistics.beats(k4, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, 1)
+    more = race.next_round(ctx, [k4, k2, other], defaults, **kwargs)
     assert [r["label"] for r in more] == ["trial-2", "baseline", "trial-0"]
-    k2["failure"] = "server exited during repeat 1"
-    assert [r["label"] for r in validate.next_round(ctx, [k4, k2, other], defaults, **kwargs)] == ["trial-2", "baseline"]
+    k2["failure"] = Reason(kind="server_exited", text="server exited during repeat 1")
+    assert [r["label"] for r in race.next_round(ctx, [k4, k2, other], defaults, **kwargs)] == ["trial-2", "baseline"]
     capped = rec("trial-2", k4["config"], [100.0, 101.0, 99.0])
-    assert validate.next_round(ctx, [capped, k2, other], rec("baseline", {"drafter": "none"}, [60, 140, 90]),
+    assert race.next_round(ctx, [capped, k2, other], rec("baseline", {"drafter": "none"}, [60, 140, 90]),
                                **kwargs) == []
 
 
-def test_t_quantile_equals_scipys_and_validation_imports_without_scipy():
-    """Validation's Welch interval needs Student's t; scipy is a dev-only package, so the plain install
-    (`bash setup.sh`, no dev extra) must import validate without it."""
-    from scipy import stats
+def test_validation_files_of_earlier_versions_load_and_are_written_back_as_they_were():
+    """Every validation.json kept under benchmarks/results (written by earlier versions: before ties, before
+    --budget, before reasons had kinds) loads through the one loader and dumps to the same JSON, with the
+    reasons' kinds beside them (unknown: those files did not record them)."""
+    paths = sorted(ROOT.glob("benchmarks/results/**/*validation*.json"))
+    assert len(paths) >= 10
 
-    for p in (0.5, 0.75, 0.95, 0.975, 0.99, 0.9917, 0.9995):
-        for df in (0.8, 1.0, 1.7, 2.0, 3.4, 6.0, 12.5, 40.0, 1e4):
-            assert validate.t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-12)
-    with pytest.raises(ValueError):
-        validate.t_quantile(0.3, 4.0)
-    code = "import sys; sys.modules['scipy'] = None; import autotune.validate, autotune.pipeline"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    def without_kinds(x):
+        if isinstance(x, dict):
+            return {k: without_kinds(v) for k, v in x.items() if k != "reason_kinds"}
+        return [without_kinds(v) for v in x] if isinstance(x, list) else x
+
+    for path in paths:
+        doc = Validation.load(path)
+        assert without_kinds(json.loads(json.dumps(doc.dump(), default=str))) == json.loads(path.read_text()), path
+        assert all(r.kind == "unknown" for c in doc.candidates for r in c.reasons)
+
+
+def test_the_gain_interval_uses_students_t():
+    """Three runs a side with the same spread of logs: Welch's df is 3 + 3 - 2 = 4, where Student's t at 0.95 is
+    2.131847 (a table value), so the 90% interval is the gain times exp(-+ 2.131847 * the standard error)."""
+    a = [110.0, 100.0, 105.0]
+    g = statistics.gain_interval(a, [v / 1.2 for v in a], "maximize", 0.90)
+    se = np.sqrt(2 * np.log(a).var(ddof=1) / 3)
+    assert g["gain"] == pytest.approx(1.2, rel=1e-12)
+    assert g["interval"] == pytest.approx([1.2 * np.exp(-2.131847 * se), 1.2 * np.exp(2.131847 * se)], rel=1e-6)
