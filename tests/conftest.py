@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from autotune.engines.launcher import free_port, release_port
 
@@ -119,6 +120,15 @@ def exported_server(script, log, startup_s: float = STARTUP_TIMEOUT_S):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """An engine built in this process with `threads` sets torch's thread count for the whole process; the next
+    test (the ci fingerprint records it) sees the process's own count again."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
