@@ -67,8 +67,7 @@ def feature_quality(frame: pd.DataFrame) -> dict:
         for band in np.unique(bands):
             part = usable[bands == band][[name, "alpha"]].dropna()
             if len(part) >= 5 and part[name].nunique() > 1 and part["alpha"].nunique() > 1:
-                # Spearman as Pearson of ranks: pandas' method="spearman" needs scipy, a dev-only package
-                rhos.append(part[name].rank().corr(part["alpha"].rank()))
+                rhos.append(part[name].corr(part["alpha"], method="spearman"))
                 weights.append(len(part))
         rho = float(np.average(rhos, weights=weights)) if rhos else None
         quality[name] = {"spearman": None if rho is None else round(rho, 4), "requests": int(sum(weights))}
