@@ -60,7 +60,7 @@ def recorded_fingerprint(provenance: dict) -> dict:
           "torch_cuda": versions.get("cuda"), "engine": adapter.name,
           "engine_version": adapter.recorded_version(provenance),
           "model_sha256": provenance.get("model_sha256"), "draft_model_sha256": provenance.get("draft_model_sha256")}
-    if "cpu" in adapter.fingerprint_keys:
+    if "cpu" in adapter.facts.fingerprint_keys:
         fp["cpu"] = (hw.get("cpu") or {}).get("model")
     return fp
 

@@ -261,7 +261,7 @@ def run(
     if not outcome.interrupted:  # prove the winner on fresh launches, hand it over, explain it
         try:
             done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, estimator=estimator,
-                                   budget=budget, **the_plan.adapter.finish_validation)
+                                   budget=budget, **the_plan.adapter.facts.finish_validation)
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)

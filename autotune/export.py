@@ -9,7 +9,7 @@ studies/<name>/best/ (or --out DIR):
                   names as keys); for an engine with no config-file flag, the same YAML of its flags,
                   which launch.sh passes.
   launch.json     everything above for machines: argv, env, config, numbers, provenance.
-  docker-run.sh   `docker run` of the engine's official image (adapter.image: lmsysorg/sglang,
+  docker-run.sh   `docker run` of the engine's official image (adapter.facts.image: lmsysorg/sglang,
                   vllm/vllm-openai); an engine without one gets none (launch.json says so).
   provenance.json the study's provenance plus what was exported from where.
   draft_schedule.yaml  where the schedule was fitted for the winner (study/schedule.py): the engine's
@@ -63,7 +63,7 @@ def command(ctx: StudyContext, config: dict) -> tuple[list[str], dict[str, str]]
     """argv and env at the default address; refused if the flags fail the engine's schema."""
     adapter = ctx.adapter
     argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
-                                port=adapter.default_port)
+                                port=adapter.facts.default_port)
     errors = adapter.validate_flags(argv)
     if errors:
         raise ValueError(f"the winner's flags fail the {ctx.engine} schema: {'; '.join(errors)}")
@@ -81,7 +81,7 @@ def with_schedule(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str,
     try:
         argv, env, rendering = adapter.scheduled_command(
             pick["config"], fitted.schedule, model=ctx.model, draft_model=ctx.draft_model, host="127.0.0.1",
-            port=adapter.default_port, directory=directory.resolve())
+            port=adapter.facts.default_port, directory=directory.resolve())
     except NotImplementedError:  # an engine with no rendering yet: it runs the fixed draft length
         return argv, env, f"{said}; {ctx.engine} cannot run it: launched with the fixed draft length", []
     errors = adapter.validate_flags(argv)
@@ -147,7 +147,7 @@ def versions(prov: dict) -> dict:
 
 
 def launch_script(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, str]) -> str:
-    port = str(ctx.adapter.default_port)
+    port = str(ctx.adapter.facts.default_port)
     lines = ["#!/usr/bin/env bash", f"# autotune: launch the {ctx.engine} engine with the configuration tuned by study {ctx.name}"]
     lines += [f"# {' '.join(c.splitlines())}" for c in comments(ctx, pick)]
     lines += ["# HOST, PORT and PYTHON may be set in the environment; script arguments are added to the engine's flags.",
@@ -192,7 +192,7 @@ def config_yaml(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, s
         if name in ("host", "port"):
             continue
         options[name] = True if not values else _scalar(values[0]) if len(values) == 1 else [_scalar(v) for v in values]
-    use = ctx.adapter.config_file_use
+    use = ctx.adapter.facts.config_file_use
     assignments = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
     head = [f"# {ctx.engine} options of study {ctx.name}, trial {pick['trial']}"
             + ("" if pick["validated"] else " (NOT VALIDATED)")]
@@ -205,9 +205,9 @@ def config_yaml(ctx: StudyContext, pick: dict, argv: list[str], env: dict[str, s
 
 def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str | None:
     adapter = ctx.adapter
-    if adapter.image is None:
+    if adapter.facts.image is None:
         return None
-    port = adapter.default_port
+    port = adapter.facts.default_port
     args = [a if prev != "--host" else "0.0.0.0" for prev, a in zip([None, *argv], argv)][len(adapter.entry):]
     cmd = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size", "16g",
            "-p", f"127.0.0.1:{port}:{port}", "-v", "$HOME/.cache/huggingface:/root/.cache/huggingface"]
@@ -216,7 +216,7 @@ def docker_line(ctx: StudyContext, argv: list[str], env: dict[str, str]) -> str 
             cmd += ["-v", f"{path}:{path}:ro"]
     for k, v in env.items():
         cmd += ["-e", f"{k}={v}"]
-    cmd += [adapter.image.format(version=adapter.version), *adapter.image_command]
+    cmd += [adapter.facts.image.format(version=adapter.version), *adapter.facts.image_command]
     text = shlex.join(cmd + args)
     return text.replace("'$HOME/.cache/huggingface:/root/.cache/huggingface'", '"$HOME/.cache/huggingface:/root/.cache/huggingface"')
 
@@ -229,7 +229,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
     unknown = set(formats) - set(FORMATS)
     if unknown:
         raise ValueError(f"unknown format {', '.join(sorted(unknown))} (choose from {', '.join(FORMATS)} or all)")
-    if formats == ("docker",) and ctx.adapter.image is None:
+    if formats == ("docker",) and ctx.adapter.facts.image is None:
         raise ValueError(f"the {ctx.engine} engine has no official container image; use launch.sh")
     pick = chosen(ctx)
     argv, env = command(ctx, pick["config"])
@@ -257,7 +257,7 @@ def export(study: str | Path | StudyContext, *, storage: str | None = None, form
     if "json" in formats:
         doc = {"engine": ctx.engine, "study": ctx.name, "storage": ctx.storage, "trial": pick["trial"],
                "validated": pick["validated"], "config": pick["config"], "argv": argv, "env": env,
-               "address_flags": {"host": "127.0.0.1", "port": ctx.adapter.default_port},
+               "address_flags": {"host": "127.0.0.1", "port": ctx.adapter.facts.default_port},
                "metrics": pick["stats"], "gain_over_default": pick.get("gain"), "load": pick["settings"],
                "docker": docker, "docker_note": None if docker else f"no official image for the {ctx.engine} engine",
                "draft_schedule": pick["schedule"],

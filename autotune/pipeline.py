@@ -32,12 +32,12 @@ def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
     validation settings; the estimator's live passes where its setup runs on the embedded engine)."""
     if not p.opts.budget_s:
         return None
-    settings = {"top": DEFAULT_TOP, "repeats": DEFAULT_REPEATS, **p.adapter.finish_validation}
+    settings = {"top": DEFAULT_TOP, "repeats": DEFAULT_REPEATS, **p.adapter.facts.finish_validation}
     passes = estimator and measurable(p.space.defaults())
     varies = p.load_profile is not None and len(p.load_profile.concurrencies()) > 1
     sweep = (schedule.planned_sweep(p.adapter, schedule.levels_for(p.load_profile, p.opts.concurrency),
                                     p.opts.max_tokens or 1)
-             if (p.opts.fit_schedule or varies) and p.space.params.get(p.adapter.draft_keys[1] or "") else None)
+             if (p.opts.fit_schedule or varies) and p.space.params.get(p.adapter.facts.draft_keys[1] or "") else None)
     return Budget(p.opts.budget_s, Finish(settings["top"], settings["repeats"], estimator_passes=passes, sweep=sweep),
                   start=start)
 

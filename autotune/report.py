@@ -85,7 +85,7 @@ def launch_text(ctx: StudyContext, config: dict) -> str:
     adapter = ctx.adapter
     try:
         argv, env = adapter.command(config, model=ctx.model, draft_model=ctx.draft_model,
-                                    host="127.0.0.1", port=adapter.default_port)
+                                    host="127.0.0.1", port=adapter.facts.default_port)
     except ValueError as e:
         return f"(no command: {e})"
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)])
@@ -161,7 +161,7 @@ def fig_importance(ctx: StudyContext, df: pd.DataFrame):
 
 
 def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
-    drafter_key, k_key = ctx.adapter.draft_keys
+    drafter_key, k_key = ctx.adapter.facts.draft_keys
     rows = [{"drafter": c.get(drafter_key), "k": c.get(k_key), "tok_s": r.get("output_tok_s"),
              "accept": r.get("accept_length")} for c, (_, r) in zip(df["config"], df.iterrows())
             if r.get("ok") and c.get(drafter_key) not in NO_DRAFTER and c.get(k_key) is not None]
@@ -222,7 +222,7 @@ def schedule_table(ctx: StudyContext) -> str:
 
 
 def fig_entropy(ctx: StudyContext, df: pd.DataFrame, frames: dict[str, pd.DataFrame]):
-    drafter_key, _ = ctx.adapter.draft_keys
+    drafter_key, _ = ctx.adapter.facts.draft_keys
     configs = dict(zip(df["number"], df["config"]))
     points = []
     for label, frame in frames.items():

@@ -1,21 +1,27 @@
 """Engine adapters (argv, schemas, rules, effective-config dedupe) and the launcher (real subprocesses)."""
+import copy
 import errno
 import json
 import os
+import pickle
 import re
 import signal
 import socket
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError, fields
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from conftest import plain_bind
 
-from autotune.engines import get_adapter
+from autotune.engines import ENGINES, get_adapter
 from autotune.engines import launcher as launcher_module
+from autotune.engines.base import EngineAdapter
+from autotune.engines.facts import EngineFacts
 from autotune.engines.launcher import PORT_RETRIES, Launcher, LaunchError, free_port, release_port
+from autotune.engines.protocol import EngineBehaviour
 from autotune.space.space import load_space
 
 SGLANG_CONFIG = {"tp_size": 2, "quantization": "w8a16_fp8", "speculative_algorithm": "EAGLE3",
@@ -31,6 +37,36 @@ VLLM_CONFIG = {"tensor_parallel_size": 2, "speculative_method": "ngram", "num_sp
 def command(engine, config, **kw):
     return get_adapter(engine).command(config, model="/models/target", draft_model=kw.get("draft", "/models/draft"),
                                        host="127.0.0.1", port=30000)
+
+
+# -- what an engine is ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_every_engine_is_its_behaviour_and_one_frozen_facts_record(on_gpu):
+    """An engine provides the behaviour protocol's methods (its own or the base's shared ones) and keeps its static
+    facts in one frozen EngineFacts, readable only as adapter.facts.<name>: no fact stays an attribute of the adapter,
+    and no reader can change one (speculation_off merged into a baseline, default_load filled into options)."""
+    names = {f.name for f in fields(EngineFacts)}
+    for engine in ENGINES:
+        adapter = get_adapter(engine).for_target(on_gpu)
+        assert isinstance(adapter, EngineBehaviour), engine
+        assert isinstance(adapter.facts, EngineFacts), engine
+        assert not [n for n in names if hasattr(adapter, n)], engine
+        with pytest.raises(FrozenInstanceError):
+            adapter.facts.numerics = ()
+        with pytest.raises(TypeError):
+            adapter.facts.default_load["concurrency"] = 1
+        assert pickle.loads(pickle.dumps(adapter.facts)) == adapter.facts == copy.deepcopy(adapter.facts), engine
+        assert adapter.facts.tp_key is None or adapter.facts.tp_key in adapter.facts.modelled, engine
+        # every drafter the space offers is priced as one of predict's families (none left to a shared table)
+        drafters = load_space(engine).params[adapter.facts.draft_keys[0]].choices
+        assert set(drafters) - {"none", None} <= set(adapter.facts.drafter_families), engine
+    assert not [n for n in names if hasattr(EngineAdapter, n)]  # the base keeps shared behaviour only
+    with pytest.raises(ValueError, match="memory_pool"):  # a pool predict/memory.py has no rule for
+        EngineFacts(memory_pool="paged")
+    with pytest.raises(ValueError, match="medusa"):  # a family the speed model does not know
+        EngineFacts(drafter_families={"MEDUSA": "medusa"})
+    cpu, gpu = get_adapter("vllm").for_target(False).facts, get_adapter("vllm").for_target(True).facts
+    assert cpu.default_load["concurrency"] < gpu.default_load["concurrency"] and "{version}" in gpu.image
 
 
 # -- argv and flag schemas ----------------------------------------------------------------------------

@@ -230,11 +230,6 @@ class EngineAdapter:
     entry: tuple[str, ...] = ()  # argv before the engine's own arguments, e.g. [python, -m, module]
     facts: EngineFacts
 
-    def __getattr__(self, name):  # H3-TEMPORARY: until the readers outside engines/ say adapter.facts.<name>
-        if name in EngineFacts.__dataclass_fields__:
-            return getattr(self.facts, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def installed(self) -> bool:
         """Whether this machine can launch the engine at all."""
         return importlib.util.find_spec(self.name) is not None

@@ -12,7 +12,7 @@ def baseline_config(ctx: StudyContext) -> tuple[dict, int | None]:
     seeds = [t for t in ctx.study.get_trials(deepcopy=False) if t.user_attrs.get("seed_config") is not None]
     seeds = sorted(seeds, key=lambda t: not t.user_attrs.get("defaults_seed"))  # stable: else the first seed
     seed = ctx.study.user_attrs.get("defaults_seed_config") or (seeds[0].user_attrs["seed_config"] if seeds else {})
-    config = {**seed, **ctx.adapter.speculation_off}
+    config = {**seed, **ctx.adapter.facts.speculation_off}
     key = effective_key(ctx.adapter, config)
     same = [t for t in ctx.study.get_trials(deepcopy=False) if t.user_attrs.get("effective_key") == key]
     return config, (same[0].number if same else None)

@@ -72,7 +72,7 @@ def quality(ctx: StudyContext, config: dict, base: dict, outputs: list[dict], re
     """The candidate's greedy outputs against the baseline's: identical prompts, token agreement, the first
     divergence. `mode` exact: its numerics (dtype, quantization, ...) are the baseline's, so only speculation
     differs; lossy: they differ, and so may the outputs."""
-    knobs = ctx.adapter.numerics
+    knobs = ctx.adapter.facts.numerics
     changed = {k: config.get(k) for k in knobs if config.get(k) != base.get(k)}
     mode = "lossy" if changed else "exact"
     if reference is None:
