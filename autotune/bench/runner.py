@@ -66,6 +66,18 @@ def served_model(url: str, timeout: float = 5.0) -> str:
         return "default"
 
 
+def prepared(url: str, workload: Workload | str, seed: int, api: str | None, model: str | None,
+             max_tokens: int | None, ignore_eos: bool, extra_body: dict | None):
+    """(workload, base URL, served model, request bodies): what a benchmark and a load profile send."""
+    if isinstance(workload, str):
+        workload = load_workload(workload, seed)
+    if api is not None:
+        workload = with_api(workload, api)
+    url = base_url(url)
+    model = model or served_model(url)
+    return workload, url, model, [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
+
+
 def run_benchmark(url: str, workload: Workload | str, *, concurrency: int | None = None, rate: float | None = None,
                   num_requests: int | None = None, duration: float | None = None, warmup: int = 0, seed: int = 0,
                   max_tokens: int | None = None, slo: SLO | str | None = None, server_pid: int | None = None,
@@ -76,17 +88,11 @@ def run_benchmark(url: str, workload: Workload | str, *, concurrency: int | None
     Closed loop at `concurrency` (default 1) unless `rate` (req/s, Poisson) is given. Raises ValueError on
     bad arguments; server failures are counted in the result, never raised.
     """
-    if isinstance(workload, str):
-        workload = load_workload(workload, seed)
-    if api is not None:
-        workload = with_api(workload, api)
-    slo = parse_slo(slo) if isinstance(slo, str) else slo
     check_arguments(concurrency, rate, num_requests, duration, warmup, max_tokens, request_timeout)
+    slo = parse_slo(slo) if isinstance(slo, str) else slo
+    workload, url, model, bodies = prepared(url, workload, seed, api, model, max_tokens, ignore_eos, extra_body)
     if num_requests is None and duration is None:
         num_requests = len(workload.requests)
-    url = base_url(url)
-    model = model or served_model(url)
-    bodies = [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
     load = {"concurrency": concurrency, "rate": rate, "seed": seed, "request_timeout": request_timeout}
 
     if warmup:  # from the end of the (shuffled) list, so the measured requests start cold on their own prompts
@@ -279,15 +285,9 @@ def run_profile(url: str, workload: Workload | str, profile: LoadProfile, *, war
     """Benchmark a server under `profile`: its phases back to back, each drained (its requests finish)
     before the next starts, so a phase's requests, time and server counters are its own. Requests cycle
     through the workload across phases. Overall throughput = tokens of all phases / the sum of their wall times."""
-    if isinstance(workload, str):
-        workload = load_workload(workload, seed)
-    if api is not None:
-        workload = with_api(workload, api)
-    slo = parse_slo(slo) if isinstance(slo, str) else slo
     check_arguments(None, None, None, None, warmup, max_tokens, request_timeout)
-    url = base_url(url)
-    model = model or served_model(url)
-    bodies = [request_body(r, model, max_tokens, ignore_eos, extra_body) for r in workload.requests]
+    slo = parse_slo(slo) if isinstance(slo, str) else slo
+    workload, url, model, bodies = prepared(url, workload, seed, api, model, max_tokens, ignore_eos, extra_body)
     if warmup:  # as run_benchmark: from the end of the list, at the first phase's load
         first = profile.phases[0]
         tail = slice(len(bodies) - min(warmup, len(bodies)), None)
