@@ -44,8 +44,8 @@ from autotune.validate.statistics import spread
 
 OK, CHANGED = 0, 1
 WARM_START_TOP = 5
-FAILED = (record.FAILED,)
-BROKEN = ("request_errors", "server_exited")  # a re-check with these is broken; SLO misses only regressed  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
+FAILED = (record.FAILED,)  # trial statuses remembered as failed regions (rule rejections are re-derived anyway)
+BROKEN = ("request_errors", "server_exited")  # a re-check with these is broken; SLO misses only regressed
 
 
 # -- fingerprint (autotune/provenance.py computes it) -------------------------------------------------
