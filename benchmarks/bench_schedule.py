@@ -105,7 +105,7 @@ def fit_phase(arms: Arms, levels: list[int], repeats: int, max_tokens: int, seed
             for k in (arms.ks if r % 2 == 0 else arms.ks[::-1]):
                 s, _ = measure_server(arms.use(k), workload, concurrency=c, num_requests=2 * c, max_tokens=max_tokens,
                                       seed=seed + r)
-                out.append(Measurement(arms.base.get("drafter") or arms.base["speculative_method"], k, c,
+                out.append(Measurement(arms.base[arms.adapter.facts.draft_keys[0]], k, c,
                                        float(s["output_tok_s"]), s.get("accept_length")))
                 console.print(f"fit r{r} c={c} k={k}: {s['output_tok_s']:.1f} tok/s")
     return out
