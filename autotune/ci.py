@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune import export, provenance
 from autotune.bench import load_workload, parse_slo
+from autotune.bench.metric_registry import SHOWN
 from autotune.engines import get_adapter
 from autotune.engines.base import flag_lines
 from autotune.engines.launcher import LaunchError, launch
@@ -145,8 +146,7 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
                       log=log, tick=lambda: bar.advance(task))
     finally:
         server.stop()
-    out["runs"] = [{k: run.get(k) for k in ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95", "completed",
-                                            "error_rate", "errors_by_kind")} for run in rec["runs"]]
+    out["runs"] = [{k: run.get(k) for k in (*SHOWN, "completed", "error_rate", "errors_by_kind")} for run in rec["runs"]]
     problems = repeat_reasons(rec["runs"], slo) + ([rec["failure"]] if rec.get("failure") else [])
     median = spread([run.get(ref["metric"]) for run in out["runs"]])["median"]
     out["median"] = median

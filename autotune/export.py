@@ -27,15 +27,13 @@ from pathlib import Path
 
 import yaml
 
+from autotune.bench.metric_registry import SHOWN, metric
 from autotune.engines.base import flag_lines
 from autotune.study.schedule import read_fit
 from autotune.study.storage import StudyContext, load_study
 from autotune.validate.record import Validation
 
 FORMATS = ("sh", "yaml", "json", "docker")
-NUMBERS = (("output_tok_s", "output tok/s", "{:.1f}"), ("e2e_ms_p95", "p95 e2e ms", "{:.0f}"),
-           ("ttft_ms_p95", "p95 TTFT ms", "{:.0f}"), ("itl_ms_p95", "p95 ITL ms", "{:.1f}"),
-           ("accept_length", "accept length", "{:.2f}"))
 
 
 def chosen(ctx: StudyContext) -> dict:
@@ -98,13 +96,13 @@ def comments(ctx: StudyContext, pick: dict) -> list[str]:
              (f"objective: {ctx.objective}; workload {ctx.workload}, concurrency {load.get('concurrency')}, "
               f"{load.get('num_requests')} requests, max_tokens {load.get('max_tokens')}")]
     numbers = []
-    for key, label, fmt in NUMBERS:
-        s = pick["stats"].get(key) or {}
+    for m in map(metric, SHOWN):
+        s = pick["stats"].get(m.name) or {}
         if s.get("median") is None:
             continue
-        text = f"{label} {fmt.format(s['median'])}"
+        text = f"{m.label} {m.format(s['median'])}"
         if s.get("ci95"):
-            text += f" (95% CI {fmt.format(s['ci95'][0])}..{fmt.format(s['ci95'][1])}, MAD {s['rel_mad']:.1%})"
+            text += f" (95% CI {m.format(s['ci95'][0])}..{m.format(s['ci95'][1])}, MAD {s['rel_mad']:.1%})"
         numbers.append(text)
     if pick["validated"]:
         lines.append(f"validated {pick.get('written')}: median of {pick.get('repeats') or load.get('repeats')} benchmarks "

@@ -164,6 +164,24 @@ def test_metrics_from_timestamps():
     assert summarize(frame, 2.0)["goodput"] is None
 
 
+def test_the_metric_registry_names_exactly_what_the_summary_holds_and_the_slo_parser_knows():
+    from autotune.bench.metric_registry import HEADLINE, METRICS, PER_LEVEL, SHOWN, metric
+    from autotune.bench.slo import KNOWN, canonical
+    from autotune.study import objectives
+
+    frame = requests_frame([record(0, 0.0, [0.2, 0.3, 0.4], usage_tokens=3)])
+    summary = summarize(frame, 1.0, slo=parse_slo("p95_ttft_ms<500"))
+    sampled = {"peak_gpu_mem_gb", "peak_rss_gb"}  # added beside the summary by the resource sampler (bench/runner.py)
+    assert set(METRICS) - sampled <= set(summary), "a registry metric the benchmark summary does not produce"
+    assert {*HEADLINE, *SHOWN, *PER_LEVEL} <= set(METRICS)
+    assert {canonical(name) for name in METRICS} == set(KNOWN)  # --slo accepts every registry metric, nothing else
+    assert metric("output_tok_s").better(2.0, 1.0) and metric("ttft_ms_p95").better(1.0, 2.0)
+    assert metric("itl_ms_p95").label == "p95 ITL ms" and metric("e2e_ms_p95").format(812.4) == "812"
+    assert objectives.directions("pareto") == ["maximize", "minimize"]
+    with pytest.raises(ValueError, match="unknown metric 'tok_s'"):
+        metric("tok_s")
+
+
 def test_empty_and_non_finite_results_still_summarize_and_save(tmp_path):
     from autotune.bench import BenchResult, save_results
 

@@ -15,7 +15,7 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.engines.embedded import EmbeddedAdapter
-from autotune.study import loop, plan, record, storage
+from autotune.study import loop, objectives, plan, record, storage
 from autotune.study import trial as trial_life
 from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
 from autotune.study.budget import Budget, Finish, Prices
@@ -483,7 +483,7 @@ def test_a_trial_still_running_at_the_search_deadline_is_cut_without_a_verdict(s
     p = plan.build(plan.RunOptions(trials=1, study="cut", sets=ONE_SERVER + ["draft_length=3", "verify_slots=3"],
                                    **SMALL))
     p.adapter = SlowOnThreeSlots()  # its server answers nothing in time: only the deadline can end the trial
-    study, _ = storage.open_study(p.name, p.storage, [("output_tok_s", "maximize")],
+    study, _ = storage.open_study(p.name, p.storage, objectives.metrics("throughput"),
                                   optuna.samplers.RandomSampler(seed=0), None, resume=False)
     servers = trial_life.Servers(p)
     started = time.time()
@@ -506,7 +506,7 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
     launch stopped a 150 s study before its second n-gram seed, which needed none."""
     p = plan.build(plan.RunOptions(trials=5, study="reuse-budget", sets=ONE_SERVER + ["draft_length=3,5",
                                                                                          "verify_slots=1,2"], **SMALL))
-    study, _ = storage.open_study(p.name, p.storage, [("output_tok_s", "maximize")],
+    study, _ = storage.open_study(p.name, p.storage, objectives.metrics("throughput"),
                                   optuna.samplers.RandomSampler(seed=0), None, resume=False)
     for warmup_s in (150.0, 20.0):  # two trials so far: a trial costs 9.6 s on a running server, 39.6 s with a launch
         study.add_trial(priced_trial(warmup_s))

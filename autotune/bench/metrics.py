@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from .client import RequestRecord
-from .slo import SLO, STATS
+from .metric_registry import STATS
+from .slo import SLO
 
 SPEC_FIELDS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_rejections",
                "spec_draft_seconds", "spec_verify_seconds", "accept_length", "accept_rate", "prompt_entropy",

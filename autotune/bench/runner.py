@@ -14,6 +14,7 @@ from rich.table import Table
 from . import server_metrics
 from .client import request_body, run_load
 from .load_profile import KEY_PREFIX, LoadProfile, Phase
+from .metric_registry import PER_LEVEL
 from .metrics import requests_frame, summarize
 from .resources import ResourceSampler
 from .slo import SLO, parse_slo
@@ -260,8 +261,6 @@ def warm_up(server, workload: Workload, *, concurrency: int | None, max_tokens: 
 
 
 # -- a load that changes: phases run back to back (bench/load_profile.py) ---------------------------------
-# Per load level, also stored flat (phase_c4_output_tok_s): what the schedule fit reads off a trial.
-LEVEL_METRICS = ("output_tok_s", "ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "accept_length", "completed")
 
 
 @dataclass
@@ -341,7 +340,7 @@ def with_server_acceptance(summary: dict) -> dict:
 
 
 def level_metrics(phases: list[PhaseResult], frame: pd.DataFrame, slo: SLO | None) -> dict:
-    """LEVEL_METRICS per load level (phases of one level pooled: their tokens over their summed wall time),
+    """PER_LEVEL metrics per load level (phases of one level pooled: their tokens over their summed wall time),
     flat: {"phase_c4_output_tok_s": ..., ...}. Pooled accept length = tokens / verify steps of its phases."""
     flat = {}
     for level in dict.fromkeys(p.phase.label for p in phases):
@@ -350,7 +349,7 @@ def level_metrics(phases: list[PhaseResult], frame: pd.DataFrame, slo: SLO | Non
         measured = [s for s in mine if s["accept_length"] and s["total_output_tokens"]]
         steps = sum(s["total_output_tokens"] / s["accept_length"] for s in measured)
         pooled["accept_length"] = sum(s["total_output_tokens"] for s in measured) / steps if steps else None
-        flat.update({f"{KEY_PREFIX}{level}_{name}": pooled[name] for name in LEVEL_METRICS})
+        flat.update({f"{KEY_PREFIX}{level}_{name}": pooled[name] for name in PER_LEVEL})
     return flat
 
 

@@ -8,12 +8,10 @@ import operator
 import re
 from dataclasses import dataclass
 
-LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "decode_tok_s")
-STATS = ("p50", "p90", "p95", "p99", "mean")
-SCALARS = ("output_tok_s", "request_throughput", "goodput", "error_rate", "accept_length", "accept_rate",
-           "peak_gpu_mem_gb", "peak_rss_gb", "failed", "completed")
+from .metric_registry import LATENCIES, SCALARS, STATS
+
 # Summary keys are "<latency>_<stat>"; an SLO may also say "<stat>_<latency>" as the issue writes it.
-KNOWN = tuple(f"{stat}_{lat}" for lat in LATENCIES for stat in STATS) + SCALARS
+KNOWN = tuple(f"{stat}_{lat}" for lat in LATENCIES for stat in STATS) + tuple(m.name for m in SCALARS)
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 TERM = re.compile(r"^\s*([a-z0-9_]+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 

@@ -6,14 +6,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from autotune.bench.metric_registry import metric
 from autotune.study import objectives, record
 
 STATUS_STYLE = {"ok": "green", "infeasible": "yellow", "pruned": "cyan", "rejected": "magenta",
                 "failed": "red", "duplicate": "dim", "interrupted": "red"}
-
-
-def _fmt(value, digits=1):
-    return "-" if value is None else f"{value:.{digits}f}"
+# The measured columns, headed short: the table must fit a terminal beside the configuration column.
+METRIC_COLUMNS = (("tok/s", "output_tok_s"), ("p95 e2e ms", "e2e_ms_p95"), ("p95 ITL ms", "itl_ms_p95"),
+                  ("accept len", "accept_length"))
 
 
 def config_text(config: dict, defaults: dict) -> str:
@@ -91,14 +91,12 @@ class LiveView:
         reason = a.get("failure_kind") or ""
         self.rows.append((trial.number, status + (f" ({reason})" if reason else ""),
                           config_text(a.get("config", trial.params), self.defaults),
-                          _fmt(m.get("output_tok_s")), _fmt(m.get("e2e_ms_p95"), 0), _fmt(m.get("itl_ms_p95")),
-                          _fmt(m.get("accept_length"), 2), a.get("launch", "-")))
+                          *(metric(name).format(m.get(name)) for _, name in METRIC_COLUMNS), a.get("launch", "-")))
 
     def table(self) -> Table:
         t = Table(title=f"autotune: trials ({self.objective})", expand=False)
         for col, justify in (("#", "right"), ("status", "left"), ("config (vs defaults)", "left"),
-                             ("tok/s", "right"), ("p95 e2e ms", "right"), ("p95 ITL ms", "right"),
-                             ("accept len", "right"), ("server", "left")):
+                             *((head, "right") for head, _ in METRIC_COLUMNS), ("server", "left")):
             t.add_column(col, justify=justify, overflow="fold")
         for row in self.rows:
             style = STATUS_STYLE.get(row[1].split(" ")[0], "")
@@ -120,7 +118,7 @@ class LiveView:
             self.live.update(self._render())
 
     def _metric_text(self, values) -> str:
-        return ", ".join(f"{name} {v:.4g}" for (name, _), v in zip(objectives.metrics(self.objective), values))
+        return ", ".join(f"{m.name} {v:.4g}" for m, v in zip(objectives.metrics(self.objective), values))
 
     def summary(self, best, default, gain, *, launches: int, saved: int, directory, interrupted: bool):
         """The search's end (validation, which may export another configuration, comes after). Not on a terminal

@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict, provenance
+from autotune.bench.metric_registry import MAXIMIZE
 from autotune.study import objectives, optuna_compat, packing, record, storage
 from autotune.study.budget import Budget, Prices
 from autotune.study.live import LiveView
@@ -210,14 +211,14 @@ def summarize(study: optuna.Study, objective: str, defaults: dict):
     ok = [t for t in study.get_trials(deepcopy=False) if record.is_ok(t)]
     if not ok:
         return None, None, None
-    _, direction = objectives.metrics(objective)[0]
-    pick = max if direction == "maximize" else min
+    maximize = objectives.primary(objective).direction == MAXIMIZE
+    pick = max if maximize else min
     best = pick(ok, key=lambda t: t.values[0])
     measured = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))  # an SLO miss still has a speed
     default = next((t for t in measured if t.user_attrs.get("config") == defaults), None)
     gain = None
     if default is not None and default.values[0] and best.values[0]:
-        gain = best.values[0] / default.values[0] if direction == "maximize" else default.values[0] / best.values[0]
+        gain = best.values[0] / default.values[0] if maximize else default.values[0] / best.values[0]
     return best, default, gain
 
 
@@ -325,7 +326,7 @@ class Fleet:
             return None
         top = self.budget.finish.top
         ok = [t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t)]
-        maximize = objectives.metrics(self.p.opts.objective)[0][1] == "maximize"
+        maximize = objectives.primary(self.p.opts.objective).direction == MAXIMIZE
         ok.sort(key=lambda t: t.values[0], reverse=maximize)
         best = list(dict.fromkeys(t.user_attrs.get("effective_key") for t in ok))[:top]
         defaults = record.effective_key(self.p.adapter, self.p.space.defaults())

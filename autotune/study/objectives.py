@@ -6,29 +6,35 @@ import warnings
 
 import optuna
 
-# objective -> [(summary metric, direction)]
+from autotune.bench.metric_registry import Metric, metric
+
+# objective -> the summary metrics it optimises, primary first (directions: the metric registry)
 OBJECTIVES = {
-    "throughput": [("output_tok_s", "maximize")],
-    "latency": [("e2e_ms_p95", "minimize")],
-    "pareto": [("output_tok_s", "maximize"), ("e2e_ms_p95", "minimize")],
+    "throughput": ["output_tok_s"],
+    "latency": ["e2e_ms_p95"],
+    "pareto": ["output_tok_s", "e2e_ms_p95"],
 }
 
 
-def metrics(objective: str) -> list[tuple[str, str]]:
+def metrics(objective: str) -> list[Metric]:
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})")
-    return OBJECTIVES[objective]
+    return [metric(name) for name in OBJECTIVES[objective]]
+
+
+def primary(objective: str) -> Metric:
+    return metrics(objective)[0]
 
 
 def directions(objective: str) -> list[str]:
-    return [d for _, d in metrics(objective)]
+    return [m.direction for m in metrics(objective)]
 
 
 def values(summary: dict, objective: str) -> list[float] | None:
     """The objective values of a benchmark summary; None when a metric is missing or not finite."""
     out = []
-    for name, _ in metrics(objective):
-        v = summary.get(name)
+    for m in metrics(objective):
+        v = summary.get(m.name)
         if v is None or not math.isfinite(float(v)):
             return None
         out.append(float(v))
@@ -37,10 +43,7 @@ def values(summary: dict, objective: str) -> list[float] | None:
 
 def is_better(a: list[float], b: list[float] | None, objective: str) -> bool:
     """a beats b on the first (primary) objective."""
-    if b is None:
-        return True
-    name, direction = metrics(objective)[0]
-    return a[0] > b[0] if direction == "maximize" else a[0] < b[0]
+    return b is None or primary(objective).better(a[0], b[0])
 
 
 def make_sampler(objective: str, seed: int | None = None, n_startup_trials: int = 6) -> optuna.samplers.BaseSampler:

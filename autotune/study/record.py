@@ -24,10 +24,6 @@ BUDGET = "budget"  # cut at the run's search deadline (--budget): no verdict on 
 NOT_RUN = "not_run"  # queued in the storage, but nobody reached it (studies before the lazy seed queue: resumed)
 
 
-# The benchmark's headline metrics, also stored flat (a user attr each, next to `metrics`): Optuna's own tools
-# (optuna-dashboard, `optuna trials`) sort and plot scalar attributes, not keys inside a JSON one.
-FLAT_METRICS = ("output_tok_s", "decode_tok_s_p50", "ttft_ms_p95", "itl_ms_p95", "tpot_ms_p50", "e2e_ms_p95",
-                "accept_length", "error_rate")
 
 
 class TrialRecord(TypedDict, total=False):

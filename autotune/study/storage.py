@@ -10,6 +10,7 @@ from pathlib import Path
 import optuna
 import pandas as pd
 
+from autotune.bench.metric_registry import MAXIMIZE, Metric
 from autotune.engines import get_adapter
 from autotune.study import objectives, record
 from autotune.study.parallel import fail_stale, open_storage
@@ -34,14 +35,14 @@ def default_storage(name: str, root: str | Path | None = None) -> str:
     return f"sqlite:///{study_dir(name, root) / 'study.db'}"
 
 
-def open_study(name: str, storage: str, metrics: list[tuple[str, str]], sampler, pruner,
+def open_study(name: str, storage: str, metrics: list[Metric], sampler, pruner,
                resume: bool) -> tuple[optuna.Study, int]:
     """Create the study, or continue it with `resume`; returns (study, trials marked failed as stale).
 
     A run killed mid-trial leaves that trial RUNNING forever; on resume it is marked FAIL with the
     reason, so the sampler and the tables do not wait on it. Only trials whose runner is gone: with a
     shared storage other workers' live trials are left alone (autotune/study/parallel.py).
-    `metrics`: [(summary metric, direction)]; the names are stored with the study (dashboards show them)."""
+    `metrics`: the objective's summary metrics; their names are stored with the study (dashboards show them)."""
     if storage.startswith("sqlite:///"):
         Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -53,13 +54,13 @@ def open_study(name: str, storage: str, metrics: list[tuple[str, str]], sampler,
         raise StudyError(f"study {name!r} already exists in {storage}; add --resume to continue it or pick another --study")
     if name not in existing and resume:
         raise StudyError(f"no study {name!r} in {storage} to resume")
-    directions = [d for _, d in metrics]
+    directions = [m.direction for m in metrics]
     study = optuna.create_study(storage=backend, study_name=name, directions=directions, sampler=sampler,
                                 pruner=pruner, load_if_exists=resume)
     if [d.name.lower() for d in study.directions] != directions:
         raise StudyError(f"study {name!r} was created with other objectives; resume it with the same --objective")
     if study.metric_names is None:
-        study.set_metric_names([n for n, _ in metrics])
+        study.set_metric_names([m.name for m in metrics])
     return study, fail_stale(study, resume=True)
 
 
@@ -131,13 +132,13 @@ class StudyContext:
         return adapter
 
     def primary(self) -> tuple[str, str]:
-        return objectives.metrics(self.objective)[0]
+        m = objectives.primary(self.objective)
+        return m.name, m.direction
 
     def ranked(self) -> list[optuna.trial.FrozenTrial]:
         """Measured trials that met every requirement, best first, one per distinct effective configuration."""
-        _, direction = self.primary()
         trials = sorted((t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t) and t.values),
-                        key=lambda t: t.values[0], reverse=direction == "maximize")
+                        key=lambda t: t.values[0], reverse=objectives.primary(self.objective).direction == MAXIMIZE)
         seen, out = set(), []
         for t in trials:
             key = t.user_attrs.get("effective_key") or json.dumps(t.user_attrs.get("config"), sort_keys=True)

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from autotune import predict
 from autotune.bench.load_profile import KEY_PREFIX
+from autotune.bench.metric_registry import HEADLINE
 from autotune.bench.runner import measure_server, measure_server_profile, sized_load, warm_up, warm_up_profile
 from autotune.bench.workloads import prompt_text
 from autotune.engines.launcher import LaunchError, launch
@@ -148,7 +149,7 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
                                  f"{attrs.get('failure', 'no result yet')}")
         attrs["timings"] = {**attrs.get("timings", {}), "total_s": round(time.monotonic() - t_start, 3)}
         flat = {k: v for k, v in (attrs.get("metrics") or {}).items()
-                if (k in record.FLAT_METRICS or k.startswith(KEY_PREFIX)) and v is not None}
+                if (k in HEADLINE or k.startswith(KEY_PREFIX)) and v is not None}
         for k, v in record.json_ready({**attrs, **flat}).items():
             trial.set_user_attr(k, v)
         if constraint:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from autotune.bench.metric_registry import HEADLINE
 from autotune.bench.runner import measure_server, sized_load, warm_up
 from autotune.engines.launcher import LaunchError, launch
 from autotune.study.record import effective_key
@@ -20,9 +21,6 @@ from autotune.study.storage import StudyContext
 from autotune.validate.quality import greedy_outputs
 from autotune.validate.record import Reason
 from autotune.validate.statistics import spread
-
-TRACKED = ("output_tok_s", "e2e_ms_p95", "ttft_ms_p95", "itl_ms_p95", "tpot_ms_p50", "decode_tok_s_p50",
-           "accept_length", "error_rate")
 
 
 def new_record(label: str, config: dict) -> dict:
@@ -123,4 +121,4 @@ def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[
         server.stop()
     for rec in recs:
         rec["launches"].append(launched)
-        rec["stats"] = {m: spread([run.get(m) for run in rec["runs"]]) for m in TRACKED}
+        rec["stats"] = {m: spread([run.get(m) for run in rec["runs"]]) for m in HEADLINE}

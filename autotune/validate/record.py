@@ -82,7 +82,7 @@ class ValidatedConfig(WithReasons):
     status: Literal["passed", "demoted"] | None = None
     reasons: list[Reason] = []
     request_files: list[str] = []
-    runs: list[dict] = []  # each repeat's headline numbers (measure.TRACKED, completed, failed, ...)
+    runs: list[dict] = []  # each repeat's headline numbers (the registry's HEADLINE, completed, failed, ...)
 
 
 class Demoted(WithReasons):

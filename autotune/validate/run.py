@@ -9,11 +9,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.bench import load_workload, parse_slo
+from autotune.bench.metric_registry import HEADLINE
 from autotune.study.budget import Prices
 from autotune.study.record import effective_key
 from autotune.study.storage import StudyContext, load_study
 from autotune.validate.baseline import baseline_config
-from autotune.validate.measure import TRACKED, launch_groups, measure, new_record
+from autotune.validate.measure import launch_groups, measure, new_record
 from autotune.validate.quality import quality
 from autotune.validate.race import (
     fitting_round,
@@ -162,6 +163,6 @@ def _public(rec: dict) -> ValidatedConfig:
     out = {k: rec[k] for k in keep if k in rec}
     if rec.get("failure"):
         out["failure"] = rec["failure"].text
-    out["runs"] = [{k: run.get(k) for k in (*TRACKED, "completed", "failed", "duration_s", "errors_by_kind")}
+    out["runs"] = [{k: run.get(k) for k in (*HEADLINE, "completed", "failed", "duration_s", "errors_by_kind")}
                    for run in rec.get("runs", [])]
     return ValidatedConfig.model_validate(out)
