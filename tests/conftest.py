@@ -1,4 +1,4 @@
-"""Shared fixtures: a live embedded engine, started the way users start it (`autotune serve`).
+"""Shared fixtures: a live embedded engine (`autotune serve`), started by the launcher the study uses.
 
 `embedded_server`        session-wide server (bundled SmolLM2-135M, ngram drafter); yields its base URL
 `start_embedded_server`  factory for tests that need other flags: start_embedded_server(drafter="none",
@@ -9,22 +9,19 @@
 """
 import contextlib
 import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-from autotune.engines.launcher import free_port, release_port
+from autotune.engines import get_adapter
+from autotune.engines.launcher import Launcher, LaunchError, free_port, launch
 
 # Small context and few slots: a fast start and a small KV cache; ngram drafting so acceptance moves.
 SESSION_SERVER_FLAGS = {"drafter": "ngram", "draft_length": 4, "verify_slots": 4, "max_seq_len": 1024}
+EMBEDDED = get_adapter("embedded")
 STARTUP_TIMEOUT_S = 180
 
 
@@ -38,56 +35,47 @@ def plain_bind(port: int) -> int:
             return e.errno
 
 
+def serve_options(flags: dict) -> dict:
+    """launch()'s arguments for `autotune serve` with `flags` (its options as keywords): engine settings as the
+    config the study passes, the model paths as its model arguments, other serve options (--request-timeout) as
+    extra arguments."""
+    keys = EMBEDDED.config_keys()
+    config = {name: value for name, value in flags.items() if name in keys}
+    model, draft_model = config.pop("model", None), config.pop("draft_model", None)
+    extra = [arg for name, value in flags.items() if name not in keys and value is not None
+             for arg in (f"--{name.replace('_', '-')}", str(value))]
+    return {"config": config, "model": model, "draft_model": draft_model, "extra_args": extra}
+
+
 def serve_argv(port: int, flags: dict) -> list[str]:
-    argv = [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port)]
-    for name, value in flags.items():
-        if value is not None:
-            value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
+    """`autotune serve` with `flags` on 127.0.0.1:port, as the embedded adapter writes it."""
+    options = serve_options(flags)
+    return EMBEDDED.command(options.pop("config"), host="127.0.0.1", port=port, **options)[0]
 
 
 class EmbeddedServer:
-    """`autotune serve` in its own process group, its output in a temporary log file."""
+    """`autotune serve` brought up by the launcher the study, validation and ci use (launcher.launch: the port
+    held until the server is up, its own process group, a LaunchError saying why it did not come up), so a
+    launcher bug fails these tests too; its output in a temporary log file."""
 
     def __init__(self, **flags):
-        self.port = free_port()  # held until the server is up: no other test process can take it meanwhile
-        self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="autotune-serve-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(serve_argv(self.port, flags), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        os.close(fd)
         try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
+            self.server = launch(EMBEDDED, **serve_options(flags), log_path=self.log_path,
+                                 timeout_s=STARTUP_TIMEOUT_S)
+        except LaunchError as e:
+            e.add_note(e.log_tail)  # the server's own last lines in the test's report
             raise
-        finally:
-            release_port(self.port)
+        self.url, self.port = self.server.base_url, self.server.port
 
-    def _wait_ready(self):
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"autotune serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"autotune serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()[-3000:]}")
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.server.proc
 
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM to the process group (SIGKILL if it hangs); the server's exit code."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM to the process group (SIGKILL for what is left after `timeout`); the server's exit code."""
+        return self.server.stop(grace_s=timeout)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -96,30 +84,14 @@ class EmbeddedServer:
 
 @contextlib.contextmanager
 def exported_server(script, log, startup_s: float = STARTUP_TIMEOUT_S):
-    """`bash launch.sh` with HOST and PORT set, as a user runs it; yields (process, base URL) once it is healthy."""
-    port = free_port()  # held (not listening) until the script's server is up
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"})
+    """`bash launch.sh` with HOST and PORT set, as a user runs it, through the launcher; yields (process, base URL)
+    once it is healthy."""
+    port = free_port()  # held (not listening) until the script's server is up: Launcher.start lets it go
     url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            deadline = time.monotonic() + startup_s
-            while True:
-                assert proc.poll() is None, Path(log).read_text(errors="replace")[-3000:]
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, f"not healthy within {startup_s} s"
-                time.sleep(0.25)  # a poll interval: the loop waits on /health answering
-        finally:
-            release_port(port)
-        yield proc, url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+    with Launcher(["bash", str(script)], env={"PORT": str(port), "HOST": "127.0.0.1"}, log_path=log,
+                  health_url=url + "/health") as server:
+        server.start(timeout=startup_s)
+        yield server.proc, url
 
 
 @pytest.fixture(autouse=True)

@@ -307,15 +307,18 @@ def at_address(argv: list[str], host: str, port: int) -> list[str]:
 
 def launch(adapter, config: dict | None = None, *, argv: list[str] | None = None, model: str | None = None,
            draft_model: str | None = None, env: dict[str, str] | None = None, log_path: str | Path,
-           timeout_s: float, host: str = "127.0.0.1", port: int | None = None) -> Launcher:
+           timeout_s: float, host: str = "127.0.0.1", port: int | None = None,
+           extra_args: list[str] = ()) -> Launcher:
     """Start an engine server and return it once healthy (raises LaunchError): `config` through the
-    adapter's command, or a stored `argv` moved to this address. What the tuner, validation, ci and the
-    estimator's data collection all do to bring up a server."""
+    adapter's command, or a stored `argv` moved to this address; `extra_args` (server options that are no
+    config setting) follow either. What the tuner, validation, ci and the estimator's data collection all do
+    to bring up a server, and the tests' embedded servers (tests/conftest.py)."""
     port = port or free_port(host)
     if argv is None:
-        argv, engine_env = adapter.command(config or {}, model=model, draft_model=draft_model, host=host, port=port)
+        argv, engine_env = adapter.command(config or {}, model=model, draft_model=draft_model, host=host, port=port,
+                                           extra_args=list(extra_args))
     else:
-        argv, engine_env = at_address(argv, host, port), {}
+        argv, engine_env = at_address([*argv, *extra_args], host, port), {}
     base = f"http://{host}:{port}"
     server = Launcher(argv, env={**engine_env, **(env or {})}, log_path=log_path,
                       health_url=adapter.health_url(base), base_url=base)
