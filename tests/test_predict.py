@@ -24,7 +24,13 @@ from autotune.predict import (
 )
 from autotune.predict.acceptance import alpha_from_accept_length
 from autotune.predict.calibration import grid_trials
-from autotune.predict.speed import HEAD_KERNELS, KERNELS_PER_LAYER
+from autotune.predict.speed import (
+    HEAD_KERNELS,
+    KERNELS_PER_LAYER,
+    NVLINK_LATENCY_S,
+    all_reduce_s,
+    target_pass,
+)
 from autotune.space import load_space
 from autotune.space.constraints import ModelShape
 
@@ -186,6 +192,26 @@ def test_speed_terms():
     assert spec.single_tok_s > graphs.single_tok_s  # 2.95 tokens per step for one draft layer's cost
     tp2 = predict_speed(llama, {"tensor_parallel_size": 2}, H100, 2, engine=VLLM)
     assert graphs.single_tok_s < tp2.single_tok_s < 2 * graphs.single_tok_s  # all-reduces eat part of the gain
+
+
+def test_tp_all_reduce_takes_the_published_custom_all_reduce_times():
+    # On an NVSwitch board an all-reduce takes the custom kernel's published time (sgl-project/sglang PR #2688 on
+    # A100s, #2904 on H100s: speed.CUSTOM_ALL_REDUCE_US), not the ring formula's 8 us + 2(n-1)/n of the message over
+    # the link. Llama-2-7B at TP 8 on A100s: a decode token's 8 KB lies between the 2 KB and 16 KB timings (14.0 and
+    # 14.2 us), two all-reduces a layer, 32 layers; the ring formula would give about 8.05 us each.
+    a100 = get_profile("a100-80gb-sxm4")
+    verify = target_pass(load_model("llama-2-7b"), VLLM.knobs({"tensor_parallel_size": 8}), a100, 1, 1, 512, False)
+    assert 64 * 14.0e-6 <= verify.comm_s <= 64 * 14.2e-6
+    # A 1 MB message (a 64-token tree of a 70B model) on 8 H100s: the published 24.1 us, twice the ring's; past the
+    # largest timing (4 MB: 45.0 us) the rest goes at the ring's rate.
+    link = 900e9 / 2
+    ring = 2 * 7 / 8 / link
+    assert all_reduce_s(2**20, 8, H100, link, NVLINK_LATENCY_S) == pytest.approx(24.1e-6)
+    assert 24.1e-6 > 1.9 * (NVLINK_LATENCY_S + 2**20 * ring)
+    assert all_reduce_s(2**23, 8, H100, link, NVLINK_LATENCY_S) == pytest.approx(45.0e-6 + 2**22 * ring)
+    # A bridged pair (no NVSwitch): the ring formula, 2(n-1)/n = 1 of the message over the bridge
+    bridge = RTX3090.interconnect["nvlink"]["bandwidth_gbps"] * 1e9 / 2
+    assert all_reduce_s(8192, 2, RTX3090, bridge, NVLINK_LATENCY_S) == pytest.approx(NVLINK_LATENCY_S + 8192 / bridge)
 
 
 def _grid_trials():

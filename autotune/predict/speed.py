@@ -11,7 +11,8 @@ Bytes: the weights once per pass (memory.weights_read_bytes) plus every sequence
 pass. Even under a CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a
 small model is bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the
 largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
-layer of tokens x hidden activations (ring: 2(n-1)/n of the message over the link, plus a latency). A
+layer of tokens x hidden activations (the custom all-reduce's published times on an NVSwitch board; else a ring:
+2(n-1)/n of the message over the link, plus a latency). A
 step yields E tokens per sequence: its drafted tokens accepted with a per-position rate by drafter family
 (autotune/predict/acceptance.py). The coefficients start at the priors below (kernel_s and launch_s from the hardware
 profile's kernel_us) and are fitted per machine by Calibration (autotune/predict/calibration.py).
@@ -21,6 +22,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from autotune.predict.acceptance import Acceptance, drafter_acceptance, expected_tokens
 from autotune.predict.knobs import WEIGHT_BYTES, Engine, Knobs
@@ -65,8 +68,27 @@ CPU_BANDWIDTH_GBPS = 20.0  # a share of a server's DDR4/DDR5 channels
 CPU_GFLOPS_PER_CORE = 25.0  # fp32 AVX2 FMA at ~2 GHz, half of the theoretical 64
 CPU_COEFFICIENTS = Coefficients(mem_scale=1.0, compute_scale=1.0, step_overhead_s=1e-3, kernel_s=CPU_KERNEL_S,
                                 launch_s=CPU_LAUNCH_S, spec_step_s=1e-3)
-# All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe.
+# All-reduce latency per call: SGLang/vLLM's one-shot custom all-reduce over NVLink; NCCL over PCIe. Where
+# CUSTOM_ALL_REDUCE_US has the board, its published times replace this latency and the ring formula.
 NVLINK_LATENCY_S, PCIE_LATENCY_S = 8e-6, 25e-6
+# Time of one call of vLLM's custom all-reduce kernel (vLLM's default over NVLink) on an NVSwitch (SXM) board, by NVLink
+# generation and TP size: (message bytes, us), from sgl-kernel's tests/test_trt_reduce.py (performance(), as stored:
+# float32 tensors of 512 ... 2097152 elements, so 2 KB ... 8 MB; 5000 calls timed outside CUDA graphs, each copying
+# its input into the registered buffer first: an upper bound for a graph-captured call by about that copy).
+# A100 (NVLink 3): sgl-project/sglang PR #2688 ("performance result in a100", "vllm time"; its TP-8 lines end after
+# 4096 elements in the stored text). H100 (NVLink 4): sgl-project/sglang PR #2904 ("unit test performance in H100
+# (without cuda graph)", the "vllm" table). A decode token's 8-16 KB: 3-6 us above the 8 us prior on an A100; 1 MB
+# (a 64-token tree of a 70B model): 2x the ring formula's time on 8 H100s. SGLang's own kernel measured faster in
+# PR #2904 (3.7-5.9 us up to 128 KB on H100s); no engine fact says which kernel a version runs, so not modelled.
+CUSTOM_ALL_REDUCE_US = {
+    3: {2: ((2048, 13.0), (16384, 11.3), (131072, 12.1), (1048576, 17.6), (2097152, 22.3), (4194304, 32.5),
+            (8388608, 55.3)),
+        4: ((2048, 13.5), (16384, 12.1), (131072, 13.5), (1048576, 23.9), (2097152, 31.3), (4194304, 47.1)),
+        8: ((2048, 14.0), (16384, 14.2))},
+    4: {2: ((2048, 9.5), (16384, 8.8), (131072, 8.7), (1048576, 12.9), (2097152, 17.7), (4194304, 26.6)),
+        4: ((2048, 9.1), (16384, 8.5), (131072, 9.2), (1048576, 20.6), (2097152, 26.9), (4194304, 40.2)),
+        8: ((2048, 10.1), (16384, 9.3), (131072, 11.8), (1048576, 24.1), (2097152, 30.4), (4194304, 45.0))},
+}
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,19 @@ MOE_FIXED_S = 22.8e-6
 WEIGHT_ONLY_BANDWIDTH_SHARE = {"int8": 0.79, "int4": 0.53}
 
 
+def all_reduce_s(message: float, tp: int, profile, link: float, latency: float) -> float:
+    """One all-reduce of `message` bytes over `tp` GPUs: the published custom all-reduce times where the board has
+    them (interpolated; past the largest size, the ring's time for the rest), else a ring: latency plus 2(n-1)/n of
+    the message over the link."""
+    ring = 2 * (tp - 1) / tp / link
+    nvlink = (profile.interconnect.get("nvlink") or {}) if profile is not None and profile.is_gpu else {}
+    table = CUSTOM_ALL_REDUCE_US.get(nvlink.get("generation"), {}).get(tp) if nvlink.get("via") == "sxm" else None
+    if table is None:
+        return latency + message * ring
+    sizes, times = zip(*table)
+    return float(np.interp(message, sizes, times)) * 1e-6 + max(0.0, message - sizes[-1]) * ring
+
+
 def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: float, attn_width: float,
               seqs: int, tokens: int, context: float, model: ModelSpec, k: Knobs, profile, eager: bool,
               moe_layers: int = 0, routed_bytes: float = 0.0, linear_bytes: float = 0.0) -> Pass:
@@ -170,7 +205,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     comm = 0.0
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
-        comm = 2 * layers * (latency + message * 2 * (k.tp - 1) / k.tp / link)
+        comm = 2 * layers * all_reduce_s(message, k.tp, profile, link, latency)
     kernels = layers * (k.layer_kernels or KERNELS_PER_LAYER) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
     return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed)
 
