@@ -11,8 +11,10 @@ configuration and re-tune it when it broke or fell behind.
    so slow drift still shows), exit 0.
 3. Regressed or broken: re-tune in a new study beside the old one (same storage, studies/<name>/ci/),
    warm-started: the previous top configurations are enqueued first and the previous failures are
-   copied in as infeasible trials, so the tuner skips them and samples away from them. Then validate,
-   export the new best into studies/<name>/best/, write ci-summary.md for a pull request, exit 1.
+   copied in as infeasible trials, so the tuner skips them and samples away from them. It runs as `autotune
+   run` does (its plan, its budget over search and finish, `pipeline.finish`: validation with the settings
+   the study was validated with, export and a report of its own); the new validated best is then exported
+   into studies/<name>/best/, ci-summary.md is written for a pull request, exit 1.
 The old trials are not resumed in place: measured under the old environment, their numbers are stale,
 and the tuner would reuse them for any configuration it has seen.
 """
@@ -27,9 +29,9 @@ import optuna
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune import export, provenance
+from autotune import export, pipeline, provenance
 from autotune.bench import load_workload, parse_slo
-from autotune.bench.metric_registry import SHOWN
+from autotune.bench.metric_registry import MAXIMIZE, SHOWN
 from autotune.engines import get_adapter
 from autotune.engines.base import flag_lines
 from autotune.engines.launcher import LaunchError, launch
@@ -40,7 +42,7 @@ from autotune.study.storage import load_study
 from autotune.validate.measure import benchmark, new_record
 from autotune.validate.race import repeat_reasons
 from autotune.validate.record import Reason, Validation
-from autotune.validate.run import DEFAULT_REPEATS, MAX_NOISE, validate
+from autotune.validate.settings import ValidationSettings
 from autotune.validate.statistics import spread
 
 OK, CHANGED = 0, 1
@@ -108,9 +110,9 @@ def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
 # -- the re-check ----------------------------------------------------------------------------------
 def reference(ctx) -> dict:
     """The validated numbers and the load they were measured with (unvalidated: the study's trial)."""
-    metric, direction = ctx.primary()
+    metric, direction = ctx.primary().name, ctx.primary().direction
     doc = Validation.load(ctx.best_dir)
-    settings = {**ctx.load, "repeats": DEFAULT_REPEATS, "slo": ctx.slo, **(doc.settings if doc else {})}
+    settings = {**ctx.load, "slo": ctx.slo, **(doc.settings if doc else {})}
     winner = doc.winner if doc else None
     if winner:
         stats = {k: s.model_dump() for k, s in winner.stats.items()}
@@ -119,7 +121,8 @@ def reference(ctx) -> dict:
         stats = json.loads(launch.read_text()).get("metrics", {}) if launch.exists() else {}
     median = (stats.get(metric) or {}).get("median")
     return {"metric": metric, "direction": direction, "median": median, "stats": stats, "settings": settings,
-            "validated": bool(winner), "trial": winner.trial if winner else None}
+            "validation": ValidationSettings().updated(settings), "validated": bool(winner),
+            "trial": winner.trial if winner else None}
 
 
 def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0, console=None) -> dict:
@@ -135,7 +138,7 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
     s = ref["settings"]
     workload = load_workload(s.get("workload") or ctx.workload, s.get("seed", 0))
     slo = parse_slo(s["slo"]) if s.get("slo") else None
-    repeats = max(1, int(s.get("repeats") or 1))
+    repeats = ref["validation"].repeats
     rec = new_record("recheck", {})
     load = {"concurrency": s.get("concurrency"), "max_tokens": s.get("max_tokens"), "seed": s.get("seed", 0)}
     try:
@@ -155,7 +158,7 @@ def recheck(ctx, ref: dict, *, tolerance: float, launch_timeout_s: float = 300.0
     if ref["median"]:
         ratio = median / ref["median"]
         out["ratio"] = ratio
-        worse = ratio < 1 - tolerance if ref["direction"] == "maximize" else ratio > 1 + tolerance
+        worse = ratio < 1 - tolerance if ref["direction"] == MAXIMIZE else ratio > 1 + tolerance
         if worse:
             problems.insert(0, Reason(kind="regressed", text=f"{ref['metric']} {median:.4g} vs {ref['median']:.4g} "
                                       f"recorded ({ratio - 1:+.1%}, tolerance {tolerance:.0%})"))
@@ -220,8 +223,10 @@ def recorded_space(source) -> dict:
 
 
 def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WARM_START_TOP, console=None) -> dict:
-    """A new study in the same storage, warm-started from the last one; validated. Returns
-    {study, directory, enqueued, remembered_failures, validation, outcome}."""
+    """A new study in the same storage, warm-started from the last one, finished as `autotune run` finishes
+    (`budget_s` bounds both). Returns {study, directory, from, enqueued, remembered_failures, measured,
+    validation, report, problem?}."""
+    started = time.time()
     source = warm_start_source(ctx)
     s = ref["settings"]
     name = f"{ctx.name}-ci-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -236,6 +241,7 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                              max_tokens=s.get("max_tokens"), seed=s.get("seed", 0),
                              space=str(narrowing), studies_root=str(ctx.directory / "ci"), live=console is not None)
     the_plan = plan.build(opts)
+    budget = pipeline.run_budget(the_plan, estimator=False, start=started, settings=ref["validation"])
     study, _ = storage.open_study(name, the_plan.storage, objectives.metrics(opts.objective),
                                   objectives.make_sampler(opts.objective), objectives.make_pruner(opts.objective), False)
     exported = json.loads((ctx.best_dir / "launch.json").read_text()).get("config") \
@@ -250,26 +256,23 @@ def retune(ctx, ref: dict, *, budget_s: float | None, trials: int, top: int = WA
                 state=optuna.trial.TrialState.PRUNED, params=t.params, distributions=t.distributions,
                 user_attrs=attrs, constraints=t.constraints or {"feasible": 1.0}))
             remembered += 1
-    outcome = loop.run_study(the_plan, console=console,
+    outcome = loop.run_study(the_plan, console=console, budget=budget,
                              first=[(config, {"seed_config": config, "warm_start": source.name}) for config in configs])
     if outcome.interrupted:  # Ctrl-C: the re-tune's trials are kept; nothing is validated or exported
         raise KeyboardInterrupt
     out = {"study": name, "directory": str(the_plan.directory), "from": source.name, "enqueued": len(configs),
            "remembered_failures": remembered, "measured": sum(bool(t.user_attrs.get("measured"))
                                                                for t in study.get_trials(deepcopy=False)),
-           "validation": None}
+           "validation": None, "report": None}
     if outcome.best is None:
         out["problem"] = "no configuration measured within the re-tune budget met the study's requirements"
         return out
-    try:
-        out["validation"] = validate(the_plan.directory, storage=ctx.storage, top=s.get("top", 3),
-                                     repeats=s.get("repeats", 3), slo=s.get("slo"),
-                                     max_noise=s.get("max_noise", MAX_NOISE),
-                                     quality_prompts=s.get("quality_prompts", 4),
-                                     quality_tokens=s.get("quality_tokens", 32), load=s, console=console,
-                                     progress=console is not None)
-    except ValueError as e:
-        out["problem"] = f"validation: {e}"
+    done = pipeline.finish(the_plan.directory, ctx.storage, run_options=opts, settings=ref["validation"],
+                           load={"min_measure_s": s.get("min_measure_s")}, console=console, estimator=False,
+                           budget=budget, progress=console is not None)
+    out.update(validation=done["validation"], report=done["report"] and str(done["report"]))
+    if done["problems"]:
+        out["problem"] = "; ".join(done["problems"])
     return out
 
 
@@ -383,6 +386,8 @@ def write_summary(ctx, result: dict) -> Path:
     lines += ["", (f"Re-tune: study `{tuned['study']}` warm-started from `{tuned['from']}` ({tuned['enqueued']} "
                    f"previous top configurations enqueued, {tuned['remembered_failures']} failed configurations "
                    f"remembered); trials measured: {tuned['measured']}.")]
+    if tuned.get("report"):
+        lines.append(f"Report: `{tuned['report']}`.")
     if tuned.get("problem"):
         lines.append(f"Problem: {tuned['problem']}.")
     path = ctx.directory / "ci-summary.md"

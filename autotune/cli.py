@@ -261,7 +261,7 @@ def run(
     if not outcome.interrupted:  # prove the winner on fresh launches, hand it over, explain it
         try:
             done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, estimator=estimator,
-                                   budget=budget, **the_plan.adapter.facts.finish_validation)
+                                   budget=budget, settings=pipeline.run_settings(the_plan))
         except KeyboardInterrupt:
             typer.echo(f"error: validation interrupted; the study is kept in {outcome.directory}", err=True)
             raise typer.Exit(130)
@@ -467,17 +467,25 @@ def _fail(e: BaseException, code: int = 2):
     raise typer.Exit(code)
 
 
+from autotune.validate.settings import ValidationSettings
+
+_VALIDATION = ValidationSettings()
+
+
 @app.command()
 def validate(
     study: str = typer.Argument(..., help=_STUDY_HELP),
-    top: int = typer.Option(None, help="best distinct configurations to relaunch [default: 3]"),
-    repeats: int = typer.Option(None, help="benchmarks of each, on one fresh server [default: 3]"),
+    top: int = typer.Option(None, help=f"best distinct configurations to relaunch [default: {_VALIDATION.top}]"),
+    repeats: int = typer.Option(None, help=f"benchmarks of each, on one fresh server [default: {_VALIDATION.repeats}]"),
     studies_dir: str = _studies_dir_option(),
     storage: str = typer.Option(None, help=_STORAGE_HELP),
     slo: str = typer.Option(None, help="SLO to re-check on every repeat (default: the study's)"),
-    max_noise: float = typer.Option(None, help="demote when the objective's MAD exceeds this share of its median [default: 0.1]"),
-    quality_prompts: int = typer.Option(None, help="greedy prompts compared with the baseline [default: 4]"),
-    quality_tokens: int = typer.Option(None, help="tokens generated per greedy prompt [default: 32]"),
+    max_noise: float = typer.Option(
+        None, help=f"demote when the objective's MAD exceeds this share of its median [default: {_VALIDATION.max_noise}]"),
+    quality_prompts: int = typer.Option(
+        None, help=f"greedy prompts compared with the baseline [default: {_VALIDATION.quality_prompts}]"),
+    quality_tokens: int = typer.Option(
+        None, help=f"tokens generated per greedy prompt [default: {_VALIDATION.quality_tokens}]"),
     concurrency: int = typer.Option(None, help="requests in flight (default: the study's load)"),
     num_requests: int = typer.Option(None, help="requests per benchmark (default: the study's load)"),
     max_tokens: int = typer.Option(None, help="output tokens per request at most (default: the study's load)"),
@@ -485,13 +493,14 @@ def validate(
     """Relaunch the study's best configurations fresh and pick the winner.
 
     Benchmarks each several times, compares greedy outputs with the defaults', writes best/validation.json."""
-    from autotune.validate import validate as validate_study
+    from autotune.validate.run import validate as validate_study
 
     given = {"top": top, "repeats": repeats, "max_noise": max_noise, "quality_prompts": quality_prompts,
-             "quality_tokens": quality_tokens}  # unset: validate's own defaults (the [default] in the help)
+             "quality_tokens": quality_tokens}  # unset: the defaults (the [default] in the help)
     try:
-        doc = validate_study(_study_ref(study, studies_dir), storage=storage, slo=slo, **{k: v for k, v in given.items() if v is not None},
-                                  load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
+        doc = validate_study(_study_ref(study, studies_dir), storage=storage, slo=slo,
+                             settings=_VALIDATION.updated(given),
+                             load={"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens})
     except (ValueError, OSError) as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -608,7 +617,7 @@ def ci(
     raise typer.Exit(result["exit_code"])
 
 # -- autotune bundle: an engine's wheels for an offline (air-gapped) machine --------------------------
-from autotune.bundle.command import bundle  # noqa: E402 - grouped with its command, as serve's config is
+from autotune.bundle.command import bundle
 
 app.command()(bundle)
 

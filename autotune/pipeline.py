@@ -22,29 +22,35 @@ from autotune.study import schedule
 from autotune.study.budget import REPORT_S, Budget, Finish, Prices, minutes
 from autotune.study.storage import load_study
 from autotune.validate.record import Validation, Winner
-from autotune.validate.run import DEFAULT_REPEATS, DEFAULT_TOP, validate
+from autotune.validate.run import validate
+from autotune.validate.settings import ValidationSettings
 
 LOAD_KEYS = ("concurrency", "num_requests", "max_tokens", "seed", "min_measure_s")
 
 
-def run_budget(p, *, estimator: bool, start: float) -> Budget | None:
+def run_settings(p) -> ValidationSettings:
+    """Validation as `autotune run` finishes: the defaults with the engine's own lighter round (its facts)."""
+    return ValidationSettings().updated(p.adapter.facts.finish_validation)
+
+
+def run_budget(p, *, estimator: bool, start: float, settings: ValidationSettings | None = None) -> Budget | None:
     """`autotune run --budget`'s: the search, then this module's finish as the plan's engine runs it (its
-    validation settings; the estimator's live passes where its setup runs on the embedded engine)."""
+    validation settings unless given; the estimator's live passes where its setup runs on the embedded engine)."""
     if not p.opts.budget_s:
         return None
-    settings = {"top": DEFAULT_TOP, "repeats": DEFAULT_REPEATS, **p.adapter.facts.finish_validation}
+    settings = settings or run_settings(p)
     passes = estimator and measurable(p.space.defaults())
     varies = p.load_profile is not None and len(p.load_profile.concurrencies()) > 1
     sweep = (schedule.planned_sweep(p.adapter, schedule.levels_for(p.load_profile, p.opts.concurrency),
                                     p.opts.max_tokens or 1)
              if (p.opts.fit_schedule or varies) and p.space.params.get(p.adapter.facts.draft_keys[1] or "") else None)
-    return Budget(p.opts.budget_s, Finish(settings["top"], settings["repeats"], estimator_passes=passes, sweep=sweep),
-                  start=start)
+    return Budget(p.opts.budget_s, Finish(settings.top, settings.repeats, settings.quality_prompts,
+                                          estimator_passes=passes, sweep=sweep), start=start)
 
 
-def finish(study: str | Path, storage: str | None = None, *, run_options=None, top: int = DEFAULT_TOP,
-           repeats: int = DEFAULT_REPEATS, slo: str | None = None, load: dict | None = None,
-           console=None, estimator: bool = True, budget: Budget | None = None, **validate_options) -> dict:
+def finish(study: str | Path, storage: str | None = None, *, run_options=None,
+           settings: ValidationSettings | None = None, slo: str | None = None, load: dict | None = None,
+           console=None, estimator: bool = True, budget: Budget | None = None, progress: bool = True) -> dict:
     """validate -> draft-length schedule (when the load varies or run_options.fit_schedule) -> export ->
     estimator fit -> estimator eval -> report. `run_options` (the tuner's RunOptions)
     supplies the study's SLO and load. `budget` (the run's): validation keeps to what the estimator's passes
@@ -77,12 +83,12 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None, t
                                    f"left of the budget ({budget.left():.0f} s)")
             return None
         end = budget.end - REPORT_S - passes_s if budget else None  # a sweep cut short fits what it measured
-        timeout = run_options.launch_timeout_s if run_options is not None else 300.0
         schedule.fit_for_study(ctx, pick["config"], pick["trial"], deadline=end, launch_timeout_s=timeout)
         return ctx.best_dir / schedule.SCHEDULE_FILE
 
-    steps = [("validation", lambda: validate(ctx, top=top, repeats=repeats, slo=slo, load=load, console=console,
-                                              deadline=deadline, **validate_options)),
+    timeout = run_options.launch_timeout_s if run_options is not None else 300.0
+    steps = [("validation", lambda: validate(ctx, settings=settings, slo=slo, load=load, launch_timeout_s=timeout,
+                                              console=console, progress=progress, deadline=deadline)),
              ("schedule", fit_schedule),  # before the export: launch.sh carries it
              ("exported", lambda: export.export(ctx))]
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import optuna
 import pytest
@@ -17,7 +18,8 @@ from autotune import ci, export, provenance
 from autotune.engines import get_adapter
 from autotune.study import loop, plan
 from autotune.study.storage import load_study
-from autotune.validate import validate
+from autotune.validate.run import validate
+from autotune.validate.settings import ValidationSettings
 
 SETS = ["drafter=none,ngram", "draft_length=2", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "verify_slots=2",
         "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -34,7 +36,8 @@ def recorded(tmp_path_factory):
                              live=False, sets=SETS, **LOAD)
     loop.run_study(plan.build(opts))
     directory = root / NAME
-    validate(directory, top=1, repeats=1, quality_prompts=1, quality_tokens=8, load=LOAD, progress=False)
+    validate(directory, settings=ValidationSettings(top=1, repeats=1, quality_prompts=1, quality_tokens=8), load=LOAD,
+             progress=False)
     export.export(directory)
     prov = json.loads((directory / "provenance.json").read_text())
     prov["fingerprint"] = provenance.fingerprint(get_adapter("embedded"), prov["model"])
@@ -123,6 +126,10 @@ def test_regression_retunes_warm_started_and_exits_1_with_a_summary(study):
     summary = (study / "ci-summary.md").read_text()
     assert f"study `{NAME}` re-tuned" in summary and "| fast_dtypes |" in summary and "**regressed**" in summary
     assert f"`{tuned['study']}` warm-started from `{NAME}`" in summary
+    # finished as `autotune run` finishes, validated under the settings the study was validated with
+    settings = json.loads((Path(tuned["directory"]) / "best" / "validation.json").read_text())["settings"]
+    assert (settings["top"], settings["repeats"], settings["quality_tokens"]) == (1, 1, 8)
+    assert Path(tuned["report"]).is_file() and f"Report: `{tuned['report']}`" in summary
     # The next run compares with the re-tuned numbers under this environment: unchanged.
     assert ci.check(study)["status"] == "unchanged"
 

@@ -8,7 +8,8 @@ from autotune.embedded.config import EngineConfig
 from autotune.embedded.scheduler import Engine
 from autotune.study import loop, plan
 from autotune.study.storage import load_study
-from autotune.validate import validate
+from autotune.validate.run import validate
+from autotune.validate.settings import ValidationSettings
 
 ONE_SERVER = ["drafter=ngram", "draft_policy=fixed", "ngram_min=1", "ngram_max=4", "prefill_ubatch=256",
               "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -41,7 +42,7 @@ def test_validate_measures_its_own_load_and_leaves_the_studys_alone(tmp_path):
     loop.run_study(plan.build(opts))
     ctx = load_study(tmp_path / "validated")
     before = copy.deepcopy(ctx.load)
-    doc = validate(ctx, top=1, repeats=1, quality_prompts=1, quality_tokens=4, load={"max_tokens": 4},
-                   progress=False)
+    doc = validate(ctx, settings=ValidationSettings(top=1, repeats=1, quality_prompts=1, quality_tokens=4),
+                   load={"max_tokens": 4}, progress=False)
     assert before["max_tokens"] == 8 and doc.settings["max_tokens"] == 4  # measured with the override...
     assert ctx.load == before  # ...which stayed out of the caller's context

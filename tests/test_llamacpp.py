@@ -41,6 +41,7 @@ from autotune.predict import load_model, predict_memory
 from autotune.space.space import load_space
 from autotune.study import loop, plan, record
 from autotune.study.storage import load_study
+from autotune.validate.settings import ValidationSettings
 
 BINARY = find_binary()
 pytestmark = pytest.mark.skipif(not BINARY or binary_version(BINARY) is None,
@@ -73,8 +74,8 @@ def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("studies")
     opts = plan.RunOptions(trials=2, study="llama", studies_root=str(root), sets=NGRAM + LIGHT, **SMALL)
     outcome = loop.run_study(plan.build(opts))
-    done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, top=2, repeats=1,
-                           quality_prompts=1, quality_tokens=8, progress=False)
+    done = pipeline.finish(outcome.directory, outcome.storage, run_options=opts, progress=False,
+                           settings=ValidationSettings(top=2, repeats=1, quality_prompts=1, quality_tokens=8))
     return outcome, done
 
 

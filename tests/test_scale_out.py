@@ -3,6 +3,7 @@ worker processes on a real PostgreSQL server (and a JournalStorage file), on the
 import errno
 import glob
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -179,6 +180,11 @@ def _pg_bin(tool: str) -> str:
 def postgres():
     """A throwaway PostgreSQL cluster on a free port; yields the URL of a fresh database."""
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # postgres refuses to run as root
+    if as_user:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.fail("the `postgres` system user is missing: `bash setup.sh dev` (or apt-get install postgresql)")
     home = tempfile.mkdtemp(prefix="autotune-pg-")
     if as_user:
         shutil.chown(home, "postgres")

@@ -73,7 +73,7 @@ def test_the_budget_prices_the_sweep_from_the_studys_benchmarks():
     # the embedded engine changes k live: one launch; 0, 2, 4, 8 and the winner's own k at 4 levels, twice
     assert planned == Sweep(launches=1, benchmarks=5 * 4 * 2, stream_tokens=schedule.REQUESTS_PER_STREAM * 8)
     assert planned.seconds(prices) == 20.0 + 40 * 16 * 0.5
-    with_sweep, without = Finish(1, 2, False, sweep=planned), Finish(1, 2, False)
+    with_sweep, without = Finish(1, 2, 4, False, sweep=planned), Finish(1, 2, 4, False)
     assert with_sweep.seconds(prices) - without.seconds(prices) == planned.seconds(prices)
     budget = Budget(3600.0, with_sweep, start=0.0)
     assert "schedule sweep ~5.7 min" in budget.plan_line(prices)  # 340 s

@@ -419,7 +419,7 @@ def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
     cold_only = Prices.of([priced_trial(150.0)], concurrency=2)
     assert cold_only.trial_s(reuses_server=False) == pytest.approx(1.2 * 8)
     assert cold_only.launch_s == 160.0  # validation relaunches: the only launch seen, in full
-    finish = Finish(top=3, repeats=3, estimator_passes=True)
+    finish = Finish(top=3, repeats=3, quality_prompts=4, estimator_passes=True)
     assert Budget(3600, finish, start=0.0).search_deadline(cold_only) == pytest.approx(2400)
     prices = Prices.of([priced_trial(150.0), priced_trial(20.0)], concurrency=2)
     assert prices.trial_s(reuses_server=True) == pytest.approx(9.6)
@@ -440,13 +440,13 @@ def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
     assert finish.validation_s(prices, configs=1) == pytest.approx(30 + 4 * prices.request_s + 3 * 8)
     assert Budget(9000, finish, start=0.0).search_deadline(prices, configs=1) == pytest.approx(
         9000 - finish.seconds(prices, configs=1))
-    assert Finish(3, 3, estimator_passes=False).estimator_s(prices) == 0.0
+    assert Finish(3, 3, 4, estimator_passes=False).estimator_s(prices) == 0.0
     # validation's first round shrinks to what is left: configurations go first, then repeats, never below
     # the best one and the baseline twice each
-    assert fitting_round(prices, finish.validation_s(prices), 3, 3) == (3, 3)
-    assert fitting_round(prices, finish.validation_s(prices, 2, 3), 3, 3) == (1, 3)
-    assert fitting_round(prices, finish.validation_s(prices, 2, 2), 3, 3) == (1, 2)
-    assert fitting_round(prices, 1.0, 3, 3) == (1, 2)
+    assert fitting_round(prices, finish.validation_s(prices), 3, 3, 4) == (3, 3)
+    assert fitting_round(prices, finish.validation_s(prices, 2, 3), 3, 3, 4) == (1, 3)
+    assert fitting_round(prices, finish.validation_s(prices, 2, 2), 3, 3, 4) == (1, 2)
+    assert fitting_round(prices, 1.0, 3, 3, 4) == (1, 2)
 
 
 def test_a_benchmark_is_sized_to_last_its_least_length_at_the_pace_its_wave_showed():

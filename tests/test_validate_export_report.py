@@ -29,6 +29,9 @@ from autotune.study.storage import load_study
 from autotune.validate import quality, race, statistics
 from autotune.validate.record import Reason, Validation
 from autotune.validate.run import validate
+from autotune.validate.settings import ValidationSettings
+
+CONFIDENCE = ValidationSettings().confidence
 
 SETS = ["drafter=none,ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",
         "verify_slots=2", "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
@@ -63,8 +66,8 @@ def study_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def validated(study_dir):
     # Two repeats, no more (max_repeats): the spread-driven repeats and ties have their own test below.
-    return validate(study_dir, top=2, repeats=2, max_repeats=2, quality_prompts=2, quality_tokens=8, load=LOAD,
-                             progress=False)
+    return validate(study_dir, settings=ValidationSettings(top=2, repeats=2, max_repeats=2, quality_prompts=2,
+                                                           quality_tokens=8), load=LOAD, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +175,12 @@ def test_a_noisy_winner_far_beyond_its_noise_is_exported_and_one_inside_it_ties(
     defaults = rec("trial-0", {}, [92.82, 82.84])
     winner, warning = race.pick_winner([fast, defaults], "output_tok_s", "maximize")
     assert winner is fast and "noisy" in warning
-    comparison = statistics.compare(fast, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, looks=1)
+    comparison = statistics.compare(fast, defaults, "output_tok_s", "maximize", CONFIDENCE, looks=1)
     assert comparison["beyond_noise"] and comparison["interval"][0] > 1.0
     assert race.settle(ctx, winner, [comparison], [fast, defaults], defaults) == (fast, None)
     # The same noise around a 10% gain is a tie, and the configuration closer to the defaults is exported.
     close = rec("trial-1", fast["config"], [88.0, 113.0], *fast["reasons"])
-    comparison = statistics.compare(close, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, looks=1)
+    comparison = statistics.compare(close, defaults, "output_tok_s", "maximize", CONFIDENCE, looks=1)
     chosen, tie = race.settle(ctx, close, [comparison], [close, defaults], defaults)
     assert not comparison["beyond_noise"] and chosen is defaults and tie["exported"] == "trial-0"
 
@@ -265,6 +268,8 @@ def test_report_opens_in_headless_chromium_without_errors(study_dir, validated, 
     assert text.count("Plotly.newPlot") >= 5 and text.count("plotly.js v") == 1  # the library inlined once
     assert "failed" in text and "fake engine: cannot start" in text  # the crashed trial and its reason
     assert "Top configurations" in text and "autotune.cli serve" in text  # launch commands in the table
+    skipped = [line for line in text.splitlines() if "PNG copies skipped" in line]  # the report's own note says why
+    assert not skipped, f"Chromium is installed but kaleido could not drive it: {skipped[0].strip()[:300]}"
     for name in report.PNG_FIGURES:
         assert (study_dir / "png" / f"{name}.png").stat().st_size > 1000
     proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -288,7 +293,7 @@ def test_show_and_cli_errors(study_dir, validated, exported):
     assert len(bad.stderr.strip().splitlines()) == 1
     bad = subprocess.run([sys.executable, "-m", "autotune.cli", "validate", str(study_dir), "--repeats", "0"],
                          capture_output=True, text=True, check=False)
-    assert bad.returncode == 2 and bad.stderr == "error: --top and --repeats must be at least 1\n"
+    assert bad.returncode == 2 and bad.stderr == "error: --repeats 0: input should be greater than or equal to 1\n"
     assert yaml.safe_load((study_dir / "best" / "config.yaml").read_text())["drafter"] == validated.winner.config["drafter"]
 
 
@@ -389,8 +394,9 @@ def test_a_genuine_tie_on_real_servers_is_reported_and_the_default_closer_one_ex
                                quick_requests=1, live=False, sets=sets, **LOAD)
     loop.run_study(planning.build(opts))
     directory = tmp_path / "tie"
-    doc = validate(directory, top=2, repeats=1, max_repeats=4, confidence=0.98, quality_prompts=2,
-                   quality_tokens=8, load=LOAD, progress=False).dump()
+    doc = validate(directory, settings=ValidationSettings(top=2, repeats=1, max_repeats=4, confidence=0.98,
+                                                          quality_prompts=2, quality_tokens=8),
+                   load=LOAD, progress=False).dump()
     assert sorted(c["config"]["prefill_ubatch"] for c in doc["candidates"]) == [256, 512]
     (comparison,) = doc["comparisons"]  # the runner-up is the defaults' configuration: one rival
     assert not comparison["beyond_noise"] and comparison["interval"][0] < 1.0 < comparison["interval"][1]
@@ -416,8 +422,9 @@ def test_configurations_that_differ_only_at_runtime_share_each_launch(tmp_path):
     opts = planning.RunOptions(trials=2, study="shared", studies_root=str(tmp_path), workload="chat", concurrency=2,
                                quick_requests=1, live=False, sets=sets, **LOAD)
     loop.run_study(planning.build(opts))
-    doc = validate(tmp_path / "shared", top=2, repeats=2, max_repeats=3, quality_prompts=1,
-                   quality_tokens=8, load=LOAD, progress=False, confidence=1 - 1e-12).dump()
+    doc = validate(tmp_path / "shared", settings=ValidationSettings(top=2, repeats=2, max_repeats=3, quality_prompts=1,
+                                                                    quality_tokens=8, confidence=1 - 1e-12),
+                   load=LOAD, progress=False).dump()
     by_length = {c["config"]["draft_length"]: c for c in doc["candidates"]}
     assert sorted(by_length) == [2, 4]
     short, long = by_length[2], by_length[4]
@@ -449,9 +456,9 @@ def test_an_added_round_relaunches_every_runtime_variant_of_a_launch():
     k2 = rec("trial-0", {**ngram, "draft_length": 2}, [50.0, 50.5])
     defaults = rec("baseline", {"drafter": "none"}, [60.0, 140.0])
     other = rec("trial-5", {"drafter": "none", "verify_slots": 4}, [40.0, 41.0])
-    kwargs = {"confidence": statistics.CONFIDENCE, "looks": 1, "max_repeats": 3}
-    assert statistics.beats(k4, k2, "output_tok_s", "maximize", statistics.CONFIDENCE, 1)
-    assert not statistics.beats(k4, defaults, "output_tok_s", "maximize", statistics.CONFIDENCE, 1)
+    kwargs = {"confidence": CONFIDENCE, "looks": 1, "max_repeats": 3}
+    assert statistics.beats(k4, k2, "output_tok_s", "maximize", CONFIDENCE, 1)
+    assert not statistics.beats(k4, defaults, "output_tok_s", "maximize", CONFIDENCE, 1)
     more = race.next_round(ctx, [k4, k2, other], defaults, **kwargs)
     assert [r["label"] for r in more] == ["trial-2", "baseline", "trial-0"]
     k2["failure"] = Reason(kind="server_exited", text="server exited during repeat 1")

@@ -9,6 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from autotune.bench.metric_registry import MAXIMIZE
 from autotune.report.data import gpu_count, pareto_front
 from autotune.report.text import config_short
 from autotune.study.schedule import read_fit
@@ -20,7 +21,7 @@ NO_DRAFTER = (None, "none")
 
 
 def fig_history(ctx: StudyContext, df: pd.DataFrame):
-    metric, direction = ctx.primary()
+    metric, direction = ctx.primary().name, ctx.primary().direction
     measured = df[df["value"].notna()]
     if measured.empty:
         return "no trial was measured"
@@ -30,7 +31,7 @@ def fig_history(ctx: StudyContext, df: pd.DataFrame):
                         text=[config_short(c) for c in part["config"]], hovertemplate="#%{x}: %{y:.4g}<br>%{text}")
     ok = measured[measured["ok"]].sort_values("number")
     if not ok.empty:
-        best = ok["value"].cummax() if direction == "maximize" else ok["value"].cummin()
+        best = ok["value"].cummax() if direction == MAXIMIZE else ok["value"].cummin()
         fig.add_scatter(x=ok["number"], y=best, mode="lines", name="best so far", line={"shape": "hv"})
     failed = df[df["value"].isna()]
     if not failed.empty:
@@ -74,7 +75,7 @@ def fig_importance(ctx: StudyContext, df: pd.DataFrame):
         with warnings.catch_warnings():  # few trials per parameter value: said by the plot's trial count instead
             warnings.simplefilter("ignore")
             # PED-ANOVA (Optuna's default, no scikit-learn) ranks what leads to low targets: flip a maximized one.
-            sign = -1.0 if ctx.primary()[1] == "maximize" else 1.0
+            sign = -1.0 if ctx.primary().direction == MAXIMIZE else 1.0
             importances = optuna.importance.get_param_importances(ctx.study, target=lambda t: sign * t.values[0])
     except Exception as e:  # noqa: BLE001 - optuna refuses in several ways (one value per param, one trial...)
         return f"parameter importances unavailable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
@@ -82,7 +83,7 @@ def fig_importance(ctx: StudyContext, df: pd.DataFrame):
         return "no parameter varied across the completed trials"
     names = list(importances)[::-1]
     fig = go.Figure(go.Bar(x=[importances[n] for n in names], y=names, orientation="h"))
-    fig.update_layout(title=f"Parameter importances for {ctx.primary()[0]} (PED-ANOVA over {len(complete)} trials)",
+    fig.update_layout(title=f"Parameter importances for {ctx.primary().label} (PED-ANOVA over {len(complete)} trials)",
                       xaxis_title="importance")
     return fig
 

@@ -41,7 +41,7 @@ def schedule_table(ctx: StudyContext) -> Table | None:
 def top_table(ctx: StudyContext, validation: Validation | None, limit: int = 10) -> Table | None:
     """The best trials (None: no trial met its requirements)."""
     verdicts = {c.trial: c for c in validation.candidates} if validation else {}
-    metric = ctx.primary()[0]
+    metric = ctx.primary().name
     rows = []
     for t in ctx.ranked()[:limit]:
         m = t.user_attrs.get("metrics") or {}

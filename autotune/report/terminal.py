@@ -18,7 +18,7 @@ def show(study: str | Path, *, storage: str | None = None, console=None, limit: 
     validation = validation_doc(ctx)
     for line in summary_lines(ctx, df, validation):
         console.print(line, highlight=False, markup=False)
-    metric = ctx.primary()[0]
+    metric = ctx.primary().name
     table = Table(title=f"top configurations by {metric}")
     for col in ("#", metric, "p95 e2e ms", "accept len", "config"):
         table.add_column(col, overflow="fold")

@@ -16,7 +16,7 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: Validation | 
              f"trials: {len(df)} ({', '.join(f'{v} {k}' for k, v in counts.items()) or 'none'})",
              f"hardware: {hardware_line(ctx.provenance)}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in versions(ctx.provenance).items() if v)]
-    metric = ctx.primary()[0]
+    metric = ctx.primary().name
     if validation and validation.winner:
         w = validation.winner
         s = w.stats[metric]

@@ -23,7 +23,6 @@ UNPRICED_FINISH_SHARE = 1 / 3  # held back for the finish before any trial has p
 MAX_FINISH_SHARE = 1 / 2  # at most this much held back for a full finish; validation shrinks to fit (its floor:)
 FLOOR = {"top": 1, "repeats": 2}  # the best configuration and the baseline, twice each on fresh launches
 REPORT_S = 15.0  # export and report: files and plots, no launch
-QUALITY_REQUESTS = 4  # greedy outputs validation compares, per configuration (validate's quality_prompts)
 ESTIMATOR_LAUNCHES = 2  # the traced collection pass and the evaluation: a server each
 ESTIMATOR_REQUESTS = 80  # their requests, one at a time: 6 prompts x 5 draft lengths, 8 prompts x ~6 arms
 ESTIMATOR_TOKENS = 32
@@ -87,6 +86,7 @@ class Finish:
     the schedule's sweep."""
     top: int
     repeats: int
+    quality_prompts: int  # greedy outputs compared, per configuration launched
     estimator_passes: bool  # the setup runs on the embedded engine: two live passes
     sweep: Sweep | None = None  # the draft-length schedule is fitted (--fit-schedule, a varying load)
 
@@ -94,7 +94,7 @@ class Finish:
         """The first round: `configs` configurations (default: the top and the baseline) launched once each."""
         configs = self.top + 1 if configs is None else configs
         runs = configs * (self.repeats if repeats is None else repeats)
-        return configs * (prices.launch_s + QUALITY_REQUESTS * prices.request_s) + runs * prices.bench_s
+        return configs * (prices.launch_s + self.quality_prompts * prices.request_s) + runs * prices.bench_s
 
     def estimator_s(self, prices: Prices) -> float:
         return (ESTIMATOR_LAUNCHES * prices.launch_s + ESTIMATOR_REQUESTS * prices.request_s) if self.estimator_passes else 0.0

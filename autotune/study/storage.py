@@ -131,14 +131,13 @@ class StudyContext:
             adapter.use_binary(self.run_options["engine_binary"])
         return adapter
 
-    def primary(self) -> tuple[str, str]:
-        m = objectives.primary(self.objective)
-        return m.name, m.direction
+    def primary(self) -> Metric:
+        return objectives.primary(self.objective)
 
     def ranked(self) -> list[optuna.trial.FrozenTrial]:
         """Measured trials that met every requirement, best first, one per distinct effective configuration."""
         trials = sorted((t for t in self.study.get_trials(deepcopy=False) if record.is_ok(t) and t.values),
-                        key=lambda t: t.values[0], reverse=objectives.primary(self.objective).direction == MAXIMIZE)
+                        key=lambda t: t.values[0], reverse=self.primary().direction == MAXIMIZE)
         seen, out = set(), []
         for t in trials:
             key = t.user_attrs.get("effective_key") or json.dumps(t.user_attrs.get("config"), sort_keys=True)

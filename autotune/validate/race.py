@@ -10,6 +10,7 @@ a reason's kind, never its text.
 """
 from __future__ import annotations
 
+from autotune.bench.metric_registry import MAXIMIZE
 from autotune.study.budget import FLOOR, Finish, Prices
 from autotune.study.record import effective_key
 from autotune.study.storage import StudyContext
@@ -33,7 +34,7 @@ def judge(ctx: StudyContext, rec: dict, slo, max_noise: float) -> list[Reason]:
     if rec.get("failure"):
         return [Reason(kind=rec["failure"].kind, text=f"flaky: {rec['failure'].text}")]
     reasons = repeat_reasons(rec["runs"], slo)
-    metric, _ = ctx.primary()
+    metric = ctx.primary().name
     noise = rec["stats"][metric]["rel_mad"]
     if noise is not None and noise > max_noise:
         reasons.append(Reason(kind="noisy", text=f"noisy: {metric} MAD {noise:.0%} of the median > {max_noise:.0%}"))
@@ -59,7 +60,7 @@ def pick_winner(results: list[dict], metric: str, direction: str) -> tuple[dict 
     pool = contenders(results, metric)
     if not pool:
         return None, None
-    pick = max if direction == "maximize" else min
+    pick = max if direction == MAXIMIZE else min
     best = pick(pool, key=lambda r: r["stats"][metric]["median"])
     steady = not best["reasons"]
     return best, None if steady else f"trial {best['trial']} wins by median with {best['reasons'][0].text}"
@@ -69,7 +70,7 @@ def rivals(ctx: StudyContext, winner: dict, results: list[dict], baseline: dict,
     """What the winner must beat beyond the noise: the runner-up (noisy ones included: the interval weighs
     their noise), and the baseline (the engine defaults)."""
     pool = [r for r in contenders(results, metric) if r is not winner]
-    pick = max if direction == "maximize" else min
+    pick = max if direction == MAXIMIZE else min
     out = [pick(pool, key=lambda r: r["stats"][metric]["median"])] if pool else []
     base_key = effective_key(ctx.adapter, baseline["config"])
     measured = (baseline.get("stats") or {}).get(metric, {}).get("median") is not None
@@ -83,7 +84,7 @@ def next_round(ctx: StudyContext, results: list[dict], baseline: dict, *, confid
     """Who gets one more fresh launch: the winner and each rival it does not yet beat beyond the noise (below
     `max_repeats`), with every runtime variant that shares a launch with one of them, so variants stay paired
     launch for launch. Empty once the race is settled or capped."""
-    metric, direction = ctx.primary()
+    metric, direction = ctx.primary().name, ctx.primary().direction
     winner, _ = pick_winner(results, metric, direction)
     if winner is None:
         return []
@@ -112,8 +113,8 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
     if not tied:
         return winner, None
     group = [winner, *tied]
-    metric, direction = ctx.primary()
-    sign = -1 if direction == "maximize" else 1
+    metric, direction = ctx.primary().name, ctx.primary().direction
+    sign = -1 if direction == MAXIMIZE else 1
     changed = {r["label"]: sorted(ctx.adapter.effective(r["config"])) for r in group}
     others = ", ".join(r["label"] for r in tied)
     if race_cut:
@@ -129,10 +130,10 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
                     "race_cut": race_cut, "why": why}
 
 
-def fitting_round(prices: Prices, seconds: float, top: int, repeats: int) -> tuple[int, int]:
+def fitting_round(prices: Prices, seconds: float, top: int, repeats: int, quality_prompts: int) -> tuple[int, int]:
     """(top, repeats) of the largest first round that fits in `seconds`: configurations dropped first (the
     best ones stay), then repeats; at least the best configuration and the baseline, twice each."""
-    finish = Finish(top, repeats, estimator_passes=False)
+    finish = Finish(top, repeats, quality_prompts, estimator_passes=False)
     least = min(repeats, FLOOR["repeats"])
     for n in range(repeats, least - 1, -1):
         for k in range(top, FLOOR["top"] - 1, -1):

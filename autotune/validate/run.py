@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.bench import load_workload, parse_slo
-from autotune.bench.metric_registry import HEADLINE
+from autotune.bench.metric_registry import HEADLINE, MAXIMIZE
 from autotune.study.budget import Prices
 from autotune.study.record import effective_key
 from autotune.study.storage import StudyContext, load_study
@@ -26,30 +26,22 @@ from autotune.validate.race import (
     settle,
 )
 from autotune.validate.record import ValidatedConfig, Validation
-from autotune.validate.statistics import CONFIDENCE, compare
-
-DEFAULT_TOP = 3
-DEFAULT_REPEATS = 3
-MAX_REPEATS = 6  # per configuration: where adding repeats to a close race stops
-MAX_NOISE = 0.10  # relative MAD of the objective above which a configuration is "noisy"
+from autotune.validate.settings import ValidationSettings
+from autotune.validate.statistics import compare
 
 
-def validate(study: str | Path | StudyContext, *, storage: str | None = None, top: int = DEFAULT_TOP,
-             repeats: int = DEFAULT_REPEATS, slo: str | None = None, max_noise: float = MAX_NOISE,
-             quality_prompts: int = 4, quality_tokens: int = 32, load: dict | None = None,
-             launch_timeout_s: float = 300.0, max_repeats: int | None = None, confidence: float = CONFIDENCE,
-             console=None, progress: bool = True, deadline: float | None = None) -> Validation:
+def validate(study: str | Path | StudyContext, *, settings: ValidationSettings | None = None,
+             storage: str | None = None, slo: str | None = None, load: dict | None = None,
+             launch_timeout_s: float = 300.0, console=None, progress: bool = True,
+             deadline: float | None = None) -> Validation:
     """Validate the top configurations of a study; writes best/validation.json and returns it.
     Repeats are added (one more launch each) to the winner and every rival it does not yet beat beyond the
-    noise, up to `max_repeats` each (default: MAX_REPEATS, at least `repeats`). `deadline` (time.time(), a
-    run's --budget): the first round shrinks to fit it (fewer configurations, then fewer repeats, never below
-    the best one and the baseline twice each) at the prices the study's trials paid, and a round is added only
-    while it fits. `load` overrides the study's load for this validation only (the caller's context keeps its own)."""
-    max_repeats = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
-    if top < 1 or repeats < 1:
-        raise ValueError("--top and --repeats must be at least 1")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
+    noise, up to `settings.max_repeats` each (at least `repeats`). `deadline` (time.time(), a run's --budget):
+    the first round shrinks to fit it (fewer configurations, then fewer repeats, never below the best one and
+    the baseline twice each) at the prices the study's trials paid, and a round is added only while it fits.
+    `load` overrides the study's load for this validation only (the caller's context keeps its own)."""
+    s = settings or ValidationSettings()
+    top, repeats, max_repeats, confidence = s.top, s.repeats, s.repeat_cap, s.confidence
     ctx = study if isinstance(study, StudyContext) else load_study(study, storage)
     ctx = dataclasses.replace(ctx, load={**ctx.load, **{k: v for k, v in (load or {}).items() if v is not None}})
     slo_text = slo or ctx.slo
@@ -61,13 +53,14 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
     prices = Prices.of(ctx.study.get_trials(deepcopy=False), ctx.load["concurrency"] or 1) if deadline else None
     asked = {"top": top, "repeats": repeats}
     if prices:
-        top, repeats = fitting_round(prices, deadline - time.time(), min(top, len(candidates)), repeats)
+        top, repeats = fitting_round(prices, deadline - time.time(), min(top, len(candidates)), repeats,
+                                     s.quality_prompts)
         candidates = candidates[:top]
     base_config, base_trial = baseline_config(ctx)
-    prompts = workload.requests[:quality_prompts]
+    prompts = workload.requests[:s.quality_prompts]
     (ctx.directory / "validation").mkdir(parents=True, exist_ok=True)
     console = console or Console(stderr=True)
-    metric, direction = ctx.primary()
+    metric, direction = ctx.primary().name, ctx.primary().direction
     base_key = effective_key(ctx.adapter, base_config)
     steps = repeats * (len(candidates) + 1)
     looks = max_repeats - repeats + 1  # times the intervals are looked at: once per added repeat, and first
@@ -78,11 +71,11 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         def run(recs, n=repeats):
             for group in launch_groups(ctx, recs):
                 bar.update(task, description=" + ".join(rec["label"] for rec in group))
-                measure(ctx, group, repeats=n, prompts=prompts, quality_tokens=quality_tokens, workload=workload,
+                measure(ctx, group, repeats=n, prompts=prompts, quality_tokens=s.quality_tokens, workload=workload,
                         launch_timeout_s=launch_timeout_s, tick=lambda: bar.advance(task))
 
         def judged(rec):
-            rec["reasons"] = judge(ctx, rec, slo_parsed, max_noise)
+            rec["reasons"] = judge(ctx, rec, slo_parsed, s.max_noise)
             rec["status"] = "demoted" if rec["reasons"] else "passed"
             return rec
 
@@ -132,8 +125,8 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
            "settings": {"top": top, "repeats": repeats, "max_repeats": max_repeats, "confidence": confidence,
                         **({"budget": {"asked": asked, "left_s": round(deadline - time.time(), 1),
                                        "stopped": budget_stop}} if deadline else {}),
-                        "slo": slo_text, "max_noise": max_noise, "workload": ctx.workload,
-                        "quality_prompts": len(prompts), "quality_tokens": quality_tokens,
+                        "slo": slo_text, "max_noise": s.max_noise, "workload": ctx.workload,
+                        "quality_prompts": len(prompts), "quality_tokens": s.quality_tokens,
                         "model": ctx.model, "draft_model": ctx.draft_model, **ctx.load},
            "baseline": _public(baseline),
            "candidates": [_public(r) for r in results],
@@ -145,7 +138,7 @@ def validate(study: str | Path | StudyContext, *, storage: str | None = None, to
         win_median = chosen["stats"][metric]["median"]
         gain = None
         if base_median and win_median:
-            gain = win_median / base_median if direction == "maximize" else base_median / win_median
+            gain = win_median / base_median if direction == MAXIMIZE else base_median / win_median
         doc["winner"] = {"trial": chosen["trial"], "label": chosen["label"], "config": chosen["config"],
                          "argv": chosen["argv"], "env": chosen["env"], "median": win_median,
                          "gain_over_baseline": gain, "repeats": len(chosen["runs"]), "stats": chosen["stats"],

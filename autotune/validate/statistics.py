@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-CONFIDENCE = 0.90  # a winner's gain over a rival must clear 1.0 at this confidence, else they tie
+from autotune.bench.metric_registry import MAXIMIZE
 
 
 def spread(values: list[float], resamples: int = 2000, seed: int = 0) -> dict:
@@ -32,7 +32,7 @@ def gain_interval(a: list[float], b: list[float], direction: str, confidence: fl
     lb = np.log([v for v in b if v is not None and v > 0])
     if la.size < 2 or lb.size < 2:
         return None
-    sign = 1.0 if direction == "maximize" else -1.0
+    sign = 1.0 if direction == MAXIMIZE else -1.0
     diff = sign * float(la.mean() - lb.mean())
     va, vb = la.var(ddof=1) / la.size, lb.var(ddof=1) / lb.size
     half = 0.0
