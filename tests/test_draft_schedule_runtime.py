@@ -3,6 +3,7 @@
 output stays plain decoding's, and POST /admin/runtime swaps the schedule on the running server. What is
 checked is counted (tokens proposed per batch size of a step), never timed."""
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from conftest import EmbeddedServer
 
 from autotune.embedded.config import EngineConfig, GenerationRequest, SamplingParams
 from autotune.embedded.draft_schedule import DraftSchedule
+from autotune.embedded.drafters import NgramDrafter
 from autotune.embedded.scheduler import Engine
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import free_port, release_port
@@ -173,3 +175,68 @@ def test_a_drafter_with_its_own_cache_catches_up_on_the_steps_the_schedule_left_
         # int8 forwards of other widths round differently; a gap left unfed (zeros, or stale drafts) is off by O(1)
         error = (caught_up - reference).norm(dim=-1) / reference.norm(dim=-1)  # per head and position
         assert error.amax() < 0.05, error.amax(0)
+
+
+class RecordingNgramDrafter(NgramDrafter):
+    """The engine's n-gram drafter, noting what each decode step asks of it: every step's input passes through
+    host_proposals, so its notes are the step's work besides the forward: the lookups (one per row of k > 0),
+    whether the stop rule's risk is read and the target's signals computed (which also takes a greedy step off
+    the host path on a GPU)."""
+
+    def __init__(self, drafter: NgramDrafter):
+        super().__init__(drafter.ngram_min, drafter.ngram_max)
+        self.steps = []
+
+    def host_proposals(self, step):
+        drafts, proposed = super().host_proposals(step)
+        self.steps.append({"batch": len(proposed), "lookups": sum(k > 0 for k in step.draft_lengths),
+                           "proposed": sum(proposed), "stop_rule": step.stop_above is not None,
+                           "target_signals": step.target_signals is not None, "greedy_on_host": step.greedy_on_host})
+        return drafts, proposed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fixed", "estimator"])
+def test_a_step_the_schedule_caps_to_no_draft_does_the_work_of_a_plain_step(tmp_path, policy):
+    """Three requests of k = 8 together under a schedule that drafts nothing at batch >= 2, against the same three
+    at k = 0: each step of two or three does the same work in both, counted (the drafter's lookups and proposals,
+    the stop rule's signals, the tokens each forward feeds the target). The estimator's n-gram stop rule is where
+    a capped step used to differ: it still computed the target's signals every step, for no draft."""
+    schedule = {"drafter": "ngram", "rows": [{"max_batch": 1, "draft_length": 4}, {"max_batch": 8, "draft_length": 0}]}
+    estimator = tmp_path / "estimator.json"
+    estimator.write_text(json.dumps({"feature": "prompt_tokens", "thresholds": [], "temperature_edges": [],
+                                     "k_table": [[8]], "stop_rule": {"signal": "entropy", "temperature_edges": [],
+                                                                     "thresholds": [5.0]}}))
+    engine = Engine(EngineConfig(
+        drafter="ngram", draft_length=8, verify_slots=4, max_seq_len=256, threads=2, draft_policy=policy,
+        draft_estimator=str(estimator) if policy == "estimator" else None,
+        draft_schedule=str(DraftSchedule.model_validate(schedule).dump(tmp_path / "s.yaml"))))
+    engine.drafter = drafter = RecordingNgramDrafter(engine.drafter)
+    forwards = []  # [batch, tokens] of each forward of the target
+    engine.target.model.register_forward_hook(lambda model, args, out: forwards.append(tuple(args[0].shape)))
+    engine.start()
+    try:
+        work = {arm: run_together(engine, drafter, forwards, draft_length) for arm, draft_length in
+                (("plain", 0), ("capped", None))}
+    finally:
+        engine.stop()
+    for arm, (steps, widths) in work.items():
+        assert {3, 2} <= {s["batch"] for s in steps}, (arm, steps)  # the three ran together, then two
+        assert widths == [1] * len(steps), (arm, widths)  # one forward a step, one token a row
+    plain, capped = ([{k: v for k, v in s.items() if k != "batch"} for s in steps] for steps, _ in work.values())
+    assert plain[0] == {"lookups": 0, "proposed": 0, "stop_rule": False, "target_signals": False, "greedy_on_host": True}
+    assert all(s == plain[0] for s in plain + capped), capped
+
+
+def run_together(engine, drafter, forwards, draft_length) -> tuple[list[dict], list[int]]:
+    """Three requests at once (draft_length None: the engine's own k); the drafter's notes of the steps of two or
+    more rows, and the tokens per row of the target's forwards of two or more rows (prefill feeds one row)."""
+    drafter.steps.clear()
+    forwards.clear()
+    done = [threading.Event() for _ in PROMPTS]
+    for prompt, event in zip(PROMPTS, done):
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, draft_length=draft_length)
+        engine.submit(GenerationRequest(engine.tokenizer.encode(prompt), params),
+                      lambda e, event=event: e.finish_reason and event.set())
+    assert all(event.wait(600) for event in done)
+    return [s for s in drafter.steps if s["batch"] > 1], [width for batch, width in forwards if batch > 1]

@@ -9,7 +9,8 @@ what an engine cannot express.
 
 File (YAML or JSON): rows in increasing `max_batch`; a step of batch B uses the first row with
 B <= max_batch, and the last row every larger batch too. The per-request cap and the entropy stop of
-draft_policy.py still apply within the length a row allows.
+draft_policy.py still apply within the length a row allows; a step the schedule leaves no draft to is a plain
+step, stop rule and all (scheduler.Engine._decode).
 
     drafter: ngram
     rows:

@@ -370,11 +370,14 @@ class Engine:
             self._catch_up_drafter(batch)
         positions = [s.length - 1 for s in batch]
         host = np.array([[s.tokens[s.length - 1], p, s.slot] for s, p in zip(batch, positions)], dtype=np.int64)
+        # A step nobody drafts in (k = 0, or capped to 0 by the schedule) has nothing to stop: without the stop
+        # rule it is a plain step (no target signals computed; on a GPU the host path).
+        stop_above = [s.stop_above for s in batch] if drafts else [None] * len(batch)
         step = StepInput(
             host=host, histories=[s.tokens[: s.length] for s in batch], draft_lengths=ks,
             kv_len=_bucket(max(positions) + max(ks) + 1, self.target.cache.max_len),
             sampling=self._sampling(batch), device=self.device,
-            **policy.step_fields([s.stop_above for s in batch], [s.params.draft_trace for s in batch],
+            **policy.step_fields(stop_above, [s.params.draft_trace for s in batch],
                                  [s.target_signals for s in batch] if isinstance(self.drafter, NgramDrafter) else None),
         )
         out = speculative_step(self.target, self.drafter, step)
@@ -388,8 +391,9 @@ class Engine:
                 seq.draft_lag += 1  # a plain step emits one token, which the drafter's cache did not get
         for row, (seq, tokens, proposed, accepted) in enumerate(zip(batch, out.tokens, out.proposed, out.accepted)):
             spec = seq.spec
-            if out.target_signals:
-                seq.target_signals = out.target_signals[row]
+            # Where the step read no target signals (a plain step) they are unknown, as at a request's first step:
+            # the n-gram stop rule lets its next step draft rather than judge it by an older position's.
+            seq.target_signals = out.target_signals[row] if out.target_signals else None
             if seq.params.draft_trace and out.signals is not None:
                 signals = out.signals[row]
                 spec.trace.append([[round(e, 4) for e, _ in signals], [round(p, 4) for _, p in signals], accepted])
