@@ -20,6 +20,7 @@ import yaml
 from conftest import exported_server
 
 from autotune import export, report
+from autotune.bench.metric_registry import metric
 from autotune.engines import get_adapter
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop
@@ -163,7 +164,7 @@ def test_a_noisy_winner_far_beyond_its_noise_is_exported_and_one_inside_it_ties(
     """The H200 validation of a concurrency-4 study (benchmarks/results/h200-2026-12-01c/validation-c4.json):
     bf16 + inductor + CUDA graphs ran 371 and 478 tok/s (MAD 13%), the float32 defaults 93 and 83; the
     old rule (noise ranks below every steady one) exported the defaults."""
-    ctx = SimpleNamespace(adapter=get_adapter("embedded"), primary=lambda: ("output_tok_s", "maximize"))
+    ctx = SimpleNamespace(adapter=get_adapter("embedded"), primary=lambda: metric("output_tok_s"))
 
     def rec(label, config, runs, *reasons):
         values = sorted(runs)
@@ -360,7 +361,7 @@ def test_gain_interval_clears_one_only_beyond_the_noise():
 
 
 def test_a_tie_exports_the_configuration_closest_to_the_defaults():
-    ctx = types.SimpleNamespace(adapter=EmbeddedAdapter(), primary=lambda: ("output_tok_s", "maximize"))  # what settle reads
+    ctx = types.SimpleNamespace(adapter=EmbeddedAdapter(), primary=lambda: metric("output_tok_s"))  # what settle reads
     runs = lambda *v: [{"output_tok_s": x} for x in v]
     stats = lambda *v: {"output_tok_s": statistics.spread(list(v))}
     fast = {"label": "trial-7", "trial": 7, "config": {"drafter": "ngram", "draft_length": 5, "verify_slots": 2},
@@ -445,7 +446,7 @@ def test_an_added_round_relaunches_every_runtime_variant_of_a_launch():
     """The race's inputs fixed: n-gram k = 4 clearly beats its launch partner k = 2 but not the defaults. Only the
     defaults are still a close rival, yet k = 2 rides along on k = 4's next launch (the fresh-clone failure of
     issue 37: a second launch that ran k = 4 alone); nothing goes past the cap or relaunches a failure."""
-    ctx = SimpleNamespace(adapter=get_adapter("embedded"), primary=lambda: ("output_tok_s", "maximize"))
+    ctx = SimpleNamespace(adapter=get_adapter("embedded"), primary=lambda: metric("output_tok_s"))
 
     def rec(label, config, runs, **extra):
         return {"label": label, "trial": label, "config": config, "reasons": [], "runs": [{"output_tok_s": v} for v in runs],
