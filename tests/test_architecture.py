@@ -187,3 +187,15 @@ def test_contributing_names_every_file_of_an_engine():
             files.add(str(path.relative_to(PROJECT_ROOT)))
     assert len(files) >= 6
     assert sorted(files - named) == []
+
+
+def test_tests_mirror_the_package():
+    """tests/<package>/ holds the tests of autotune/<package>/; tests/ itself only the top-level modules' tests and
+    the whole-repository checks (a package's test dropped at the top would fail here)."""
+    tests = PROJECT_ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("fixtures", "__pycache__")}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders and folders <= packages, sorted(folders - packages)
+    top = {p.stem.removeprefix("test_") for p in tests.glob("test_*.py")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top - modules == {"architecture", "docs", "package", "results_hygiene"}

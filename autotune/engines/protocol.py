@@ -1,7 +1,7 @@
 """The behaviour every engine provides itself: launching a configuration, its rules, what it would really run,
 readiness, runtime changes and the draft-length schedule. What an engine is as data lives in its EngineFacts
 (autotune/engines/facts.py); what all engines do alike lives in EngineAdapter (autotune/engines/base.py), whose
-subclasses are checked against this protocol by tests/test_engines.py."""
+subclasses are checked against this protocol by tests/engines/test_engines.py."""
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 

@@ -3,7 +3,7 @@
 autotune runs its own ask/tell loop across processes (parallel.py, worker.py), so it needs the
 storage behind a study, a trial's storage id, and heartbeats outside `Study.optimize`, which
 Optuna's public API only offers inside `optimize`. When Optuna renames one of these, only this
-module changes; tests/test_optuna_compat.py says which.
+module changes; tests/study/test_optuna_compat.py says which.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from autotune.embedded.runner import ModelRunner
 from autotune.embedded.sampling import SamplingBatch
 from autotune.embedded.weights import load_draft_model, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--layers", "1", "--vocab", "512", "--samples", "2", "--new-tokens", "8",
         "--limit-prompts", "3", "--train-seconds", "2", "--batch", "4"]
 PROMPTS = ["def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",

@@ -38,7 +38,7 @@ SETS = ["drafter=none,ngram", "draft_length=2,4", "draft_policy=fixed", "ngram_m
         "verify_slots=2", "prefill_ubatch=256", "dtype=float32", "quantization=none", "compile=none", "threads=1"]
 # min_measure_s 0: the asked requests, not multiplied to fill MEASURE_S (these tests are about plumbing)
 LOAD = {"num_requests": 2, "max_tokens": 8, "min_measure_s": 0}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class CrashOnSecondLaunch(EmbeddedAdapter):

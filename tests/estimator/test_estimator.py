@@ -483,7 +483,7 @@ def test_oracle_stop_bounds_every_policy_on_recorded_steps(folder):
 
     from autotune.estimator.stop import best_policy, candidate_thresholds, oracle_replay, replay, step_arrays
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / folder
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / folder
     rows, doc = pd.read_parquet(path / "estimator-data.parquet"), json.loads((path / "estimator.json").read_text())
     costs = {"verify": {int(w): c for w, c in doc["width_costs"]["verify"].items()}, "draft": doc["width_costs"]["draft"]}
     cap = int(rows["k"].max())

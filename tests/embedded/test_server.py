@@ -332,7 +332,7 @@ def test_small_context_caps_max_tokens_and_sigterm_exits_0(start_embedded_server
 @pytest.mark.slow
 def test_gguf_blocks_server_answers_as_the_float32_one(client, start_embedded_server):
     """--quantization gguf (the GGUF's own blocks through the C kernel) with n-gram drafting: the float32 greedy
-    text up to a near tie (its 8-bit activations, as llama.cpp's, flip near ties: tests/test_kquants.py)."""
+    text up to a near tie (its 8-bit activations, as llama.cpp's, flip near ties: tests/embedded/test_kquants.py)."""
     server = start_embedded_server(quantization="gguf", drafter="ngram", draft_length=4, verify_slots=2, max_seq_len=1024)
     body = {"prompt": CODE_PROMPT, "max_tokens": 32, "ignore_eos": True}
     on_blocks = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()

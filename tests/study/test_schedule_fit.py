@@ -15,7 +15,7 @@ from autotune.study.budget import ESTIMATOR_TOKENS, Budget, Finish, Prices, Swee
 from autotune.study.schedule import Measurement, Phase
 from autotune.study.storage import load_study
 
-# A small study (see tests/test_study.py): one launch configuration that drafts, so both trials share a server.
+# A small study (see tests/study/test_study.py): one launch configuration that drafts, so both trials share a server.
 SMALL = {"workload": "code", "num_requests": 2, "quick_requests": 1, "concurrency": 2, "max_tokens": 8, "live": False,
          "min_measure_s": 0}
 ONE_SERVER = ["drafter=ngram", "draft_length=4", "draft_policy=fixed", "ngram_min=1", "ngram_max=4",

@@ -180,7 +180,7 @@ def test_the_measured_h200_fits_like_its_profile():
 
     from autotune.hardware import classify_from_fixture
 
-    measured = classify_from_fixture(Path(__file__).parent / "fixtures" / "hardware" / "h200-sxm-1gpu")
+    measured = classify_from_fixture(Path(__file__).parents[1] / "fixtures" / "hardware" / "h200-sxm-1gpu")
     assert measured.profile.name == "h200-sxm"
     fitted = [fit_space(load_space("embedded"), hw, 4) for hw in (measured, planned(get_profile("h200-sxm")))]
     assert fitted[0].params == fitted[1].params and fitted[0].seed_configs() == fitted[1].seed_configs()

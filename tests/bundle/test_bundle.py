@@ -19,7 +19,7 @@ from autotune.bundle.script import install_script, write_install_script
 from autotune.bundle.split import batches, join, parse_size, split_file
 from autotune.bundle.target import Target, read_freeze
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Python 3.12 on x86_64 Linux (the H200's), deliberately not this machine's Python
 TARGET_PY = "3.12"
 

@@ -15,7 +15,7 @@ from autotune.cli import app
 from autotune.hardware import classify_from_fixture, get_profile, load_profiles, probe, probe_from_evidence
 from autotune.hardware.profiles import PROFILES_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hardware"
 
 
 def test_real_h200_capture_is_h200_sxm_hopper_with_native_fp8():

@@ -24,7 +24,7 @@ from autotune.hardware import CpuInfo, Hardware, classify_from_fixture, probe
 from autotune.space.space import load_space
 from autotune.study import loop, packing, parallel, plan
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hardware")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hardware")
 
 
 def eight_gpus(topology=None) -> Hardware:

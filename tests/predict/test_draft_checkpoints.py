@@ -16,7 +16,7 @@ from autotune.predict import DraftCheckpoint, load_model, rank_configs, read_dra
 from autotune.predict.rank import launch_command
 from autotune.space import load_space
 from autotune.space.constraints import ModelShape, restrict_space
-from tests.test_model_aware_space import LLAMA_8B, checkpoint
+from tests.space.test_model_aware_space import LLAMA_8B, checkpoint
 
 SGLANG, VLLM, LLAMACPP = get_adapter("sglang"), get_adapter("vllm"), get_adapter("llamacpp")
 H100 = get_profile("h100-sxm5")

@@ -3,7 +3,7 @@
 Our loader, tokenizer and chat template on the bundled SmolLM2 GGUF must give HF's token ids,
 logits and greedy output; tiny random llama and qwen2 checkpoints written by transformers must load
 through our safetensors path with HF's logits; int8 quantization must keep greedy choices; the
-GGUF's own blocks run natively swap every layer (their numerics: tests/test_kquants.py), and the fused CPU
+GGUF's own blocks run natively swap every layer (their numerics: tests/embedded/test_kquants.py), and the fused CPU
 attention equals the model's.
 """
 import json
@@ -112,7 +112,7 @@ def native():
 @pytest.mark.slow
 def test_greedy_output_equals_transformers(ours, hf_model):
     """Ours in float32 gives transformers' greedy tokens (on the GGUF's own blocks, with 8-bit activations,
-    it follows them up to near ties: tests/test_kquants.py)."""
+    it follows them up to near ties: tests/embedded/test_kquants.py)."""
     eos = ours.tokenizer.eos_token_id
     for prompt in (ours.tokenizer.apply_chat_template(CHAT), CODE_PROMPT):
         ids = ours.tokenizer.encode(prompt)
