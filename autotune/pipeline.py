@@ -131,8 +131,9 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     else:
         metric, stats = doc.metric, winner.stats[doc.metric]
         ci = stats.ci95
-        lines.append(f"exported: trial {winner.trial} ({_changed(doc, winner)})")
-        gain = winner.gain_over_baseline
+        changed = _changed(doc, winner)
+        lines.append(f"exported: trial {winner.trial} ({' '.join(changed) or 'the engine defaults'})")
+        gain = winner.gain_over_baseline if changed else None  # the defaults themselves: a ratio would be noise
         lines.append(f"validated: {metric} {stats.median:.4g}" + (f" (95% CI {ci[0]:.4g}..{ci[1]:.4g})" if ci else "")
                      + f", median of {winner.repeats} benchmarks on fresh launches"
                      + (f"; {gain:.2f}x the engine defaults ({doc.baseline.label})" if gain else ""))
@@ -161,8 +162,7 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     return lines + [f"note: {problem}" for problem in done["problems"]]
 
 
-def _changed(doc: Validation, winner: Winner) -> str:
+def _changed(doc: Validation, winner: Winner) -> list[str]:
     """The winner's settings that differ from the baseline's (the engine defaults with the user's pins)."""
     base = doc.baseline.config
-    diff = [f"{k}={v}" for k, v in winner.config.items() if base.get(k) != v]
-    return " ".join(diff) or "the engine defaults"
+    return [f"{k}={v}" for k, v in winner.config.items() if base.get(k) != v]
