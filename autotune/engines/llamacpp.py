@@ -128,9 +128,10 @@ class LlamaCppAdapter(EngineAdapter):
         return str(bundled_gguf_path())  # llama.cpp reads the bundled GGUF as is
 
     def preset_model(self, preset, hub_repo, given):
-        """A local GGUF: the bundled one for its preset; another preset is named for the user to replace
-        (llama-server's -m takes a GGUF file, not a Hugging Face checkpoint): `command` adds the type."""
-        return self.default_model() if preset == BUNDLED_PRESET else given
+        """A local GGUF: the bundled one for its preset on this machine; another preset, or any on another
+        machine, is named for the user to replace (llama-server's -m takes a GGUF file, not a Hugging Face
+        checkpoint): `command` adds the type."""
+        return self.default_model() if preset == BUNDLED_PRESET and not self.another_machine else given
 
     def config_keys(self):
         return super().config_keys() | {GGUF_TYPE}

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from autotune import package_path
+from autotune.predict.gguf_types import read_header
 from autotune.predict.knobs import Knobs
 from autotune.space.constraints import CHECKPOINT_FORMATS
 
@@ -66,8 +67,12 @@ def weight_format(k: Knobs) -> str | None:
 def checkpoint_for(preset: str, k: Knobs, target: str | None = None) -> Checkpoint | None:
     """The checkpoint `k` needs of the preset `preset`; None where its 16-bit weights serve (16-bit, FP8) or
     where `target`, what the engine is told to load, is a file or directory here (the user's own, or the
-    bundled model)."""
+    bundled model) that holds those weights: a GGUF file of another weight format does not."""
     fmt = weight_format(k)
-    if fmt is None or (target and Path(target).exists()):
+    if fmt is None or (target and Path(target).exists() and not _other_gguf_type(Path(target), k.gguf_type)):
         return None
     return Checkpoint(preset, fmt, published().get(preset, {}).get(fmt), k.gguf_type)
+
+
+def _other_gguf_type(path: Path, gguf_type: str | None) -> bool:
+    return bool(gguf_type) and path.is_file() and path.suffix == ".gguf" and read_header(path).file_type != gguf_type

@@ -60,7 +60,9 @@ def estimate_report(*, model: str, gpu: str, num_gpus: int | None, engine: Engin
     rows = []
     for i, (config, prediction) in enumerate(ranked):
         checkpoint = checkpoint_for(spec.name, engine.knobs(config, profile.is_gpu), target)
-        load = checkpoint.load_as if checkpoint and checkpoint.load_as else target
+        load = target
+        if checkpoint:  # a GGUF file of the row's type is named after the preset, for the user to replace
+            load = checkpoint.load_as or spec.name
         rows.append({"rank": i + 1, "config": config, "changed": changed(config, defaults), **prediction.to_dict(),
                      "checkpoint": checkpoint.describe() if checkpoint else None,
                      "user_supplies_checkpoint": bool(checkpoint and checkpoint.user_supplied),

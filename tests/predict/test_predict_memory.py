@@ -52,8 +52,24 @@ def test_gguf_rows_of_a_preset_name_the_published_file():
     assert need.load_as is None  # llama.cpp's adapter names the file itself: qwen3-8b-Q4_K_M.gguf
     unknown = checkpoint_for("qwen3.5-27b", k, "qwen3.5-27b")
     assert unknown.user_supplied and unknown.describe() == "a Q4_K_M GGUF file of qwen3.5-27b (you supply)"
-    # the bundled model (a file that exists) needs nothing more
-    assert checkpoint_for("smollm2-135m", k, LLAMACPP.default_model()) is None
+    # the bundled model (a Q4_1 file here) serves its own type; a row of another type needs a file of that type
+    bundled = LLAMACPP.default_model()
+    assert checkpoint_for("smollm2-135m", LLAMACPP.knobs({"gguf_type": "Q4_1"}, on_gpu=True), bundled) is None
+    assert checkpoint_for("smollm2-135m", k, bundled).describe() == "a Q4_K_M GGUF file of smollm2-135m (you supply)"
+
+
+def test_estimate_names_a_gguf_file_of_each_rows_own_type_never_the_bundled_file_of_another():
+    def ranked(gpu, top):
+        return json.loads(estimate_report(model="smollm2-135m", gpu=gpu, num_gpus=1, engine=LLAMACPP, draft_model=None,
+                                          alpha=None, concurrency=1, context_len=None, top=top, as_json=True))["configs"]
+
+    rows = ranked("auto", 40)  # this machine: the bundled Q4_1 file is here
+    by_type = {r["config"]["gguf_type"]: r for r in rows}
+    assert {"Q4_1", "Q2_K"} <= set(by_type)
+    assert by_type["Q4_1"]["checkpoint"] is None and f"--model {LLAMACPP.default_model()} " in by_type["Q4_1"]["launch"]
+    assert by_type["Q2_K"]["user_supplies_checkpoint"] and "--model smollm2-135m-Q2_K.gguf " in by_type["Q2_K"]["launch"]
+    # for another machine no path of this one: every row names the file it needs
+    assert all(f"--model smollm2-135m-{r['config']['gguf_type']}.gguf " in r["launch"] for r in ranked("h200-sxm", 5))
 
 
 def test_vllm_memory_utilization_default_per_version():
