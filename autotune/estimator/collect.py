@@ -13,7 +13,7 @@ import httpx
 import pandas as pd
 
 from autotune.bench import load_workload
-from autotune.estimator.live import chat_renderer, progress, requests_of, send, serve
+from autotune.estimator.live import announce, chat_renderer, progress, requests_of, send, serve
 
 RUNTIME = ("draft_length", "draft_policy")  # knobs that change k, not the drafter
 
@@ -70,15 +70,17 @@ def collect(config: dict, log_dir: Path, *, workloads=("code", "chat", "repetiti
     render = chat_renderer(config.get("model"))
     rows = []
     bar, task = progress(len(todo) * len(ks), "collect")
-    with serve(config, log_dir) as server, httpx.Client(timeout=300) as client, bar:
-        for request in todo:
-            i = request.pop("index")
-            text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
-            turn = i % len(ks)
-            for k in ks[turn:] + ks[:turn]:
-                usage = send(client, server.base_url, request, draft_length=k, draft_trace=True)
-                usage["spec_draft_trace"] = json.dumps(usage.get("spec_draft_trace", []))  # parquet-safe
-                rows.append({**usage, "text": text, "temperature": request["temperature"],
-                             "top_p": request.get("top_p", 1.0), "k": k, "prompt_index": i})
-                bar.advance(task)
+    with bar:
+        announce(bar, "collect", len(todo) * len(ks))
+        with serve(config, log_dir) as server, httpx.Client(timeout=300) as client:
+            for request in todo:
+                i = request.pop("index")
+                text = render(request["messages"]) if request["api"] == "chat" else request["prompt"]
+                turn = i % len(ks)
+                for k in ks[turn:] + ks[:turn]:
+                    usage = send(client, server.base_url, request, draft_length=k, draft_trace=True)
+                    usage["spec_draft_trace"] = json.dumps(usage.get("spec_draft_trace", []))  # parquet-safe
+                    rows.append({**usage, "text": text, "temperature": request["temperature"],
+                                 "top_p": request.get("top_p", 1.0), "k": k, "prompt_index": i})
+                    bar.advance(task)
     return pd.DataFrame(rows)

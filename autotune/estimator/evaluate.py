@@ -13,7 +13,15 @@ import numpy as np
 import pandas as pd
 
 from autotune.embedded.draft_policy import TEXT_FEATURES, load_estimator
-from autotune.estimator.live import DEFAULT_CONFIG, chat_renderer, progress, requests_of, send, serve
+from autotune.estimator.live import (
+    DEFAULT_CONFIG,
+    announce,
+    chat_renderer,
+    progress,
+    requests_of,
+    send,
+    serve,
+)
 from autotune.estimator.model import alpha_mle
 
 
@@ -43,19 +51,21 @@ def evaluate(estimator_path: str | Path, log_dir: Path, *, workload: str = "mixe
     runs = {arm: [] for arm in arms}
     bar, task = progress(len(todo) * len(arms) * repeats, "eval")
     log_dir.mkdir(parents=True, exist_ok=True)
-    with serve(dict(config, draft_estimator=str(estimator_path)), log_dir) as server, \
-            httpx.Client(timeout=300) as client, bar:
-        client.post(server.base_url + "/admin/runtime", json={"draft_policy": "estimator"}).raise_for_status()
-        for rep in range(repeats):
-            results = {arm: [] for arm in arms}
-            for i, request in enumerate(todo):
-                turn = (i + rep + rotation) % len(arms)
-                for arm in arms[turn:] + arms[:turn]:
-                    extra = {} if arm == "estimator" else {"draft_length": int(arm[2:])}
-                    results[arm].append(send(client, server.base_url, request, **extra))
-                    bar.advance(task)
-            for arm in arms:
-                runs[arm].append(results[arm])
+    with bar:
+        announce(bar, "eval", len(todo) * len(arms) * repeats)
+        with serve(dict(config, draft_estimator=str(estimator_path)), log_dir) as server, \
+                httpx.Client(timeout=300) as client:
+            client.post(server.base_url + "/admin/runtime", json={"draft_policy": "estimator"}).raise_for_status()
+            for rep in range(repeats):
+                results = {arm: [] for arm in arms}
+                for i, request in enumerate(todo):
+                    turn = (i + rep + rotation) % len(arms)
+                    for arm in arms[turn:] + arms[:turn]:
+                        extra = {} if arm == "estimator" else {"draft_length": int(arm[2:])}
+                        results[arm].append(send(client, server.base_url, request, **extra))
+                        bar.advance(task)
+                for arm in arms:
+                    runs[arm].append(results[arm])
 
     render = chat_renderer(config.get("model"))
     texts = [render(r["messages"]) if r["api"] == "chat" else r["prompt"] for r in todo]

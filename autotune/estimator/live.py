@@ -77,3 +77,8 @@ def chat_renderer(model: str | None):
 def progress(total: int, label: str):
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
     return bar, bar.add_task(label, total=total)
+
+
+def announce(bar: Progress, label: str, requests: int) -> None:
+    """A line before the server's launch (and compile), which the bar cannot count: also when not a terminal."""
+    bar.console.print(f"{label}: launching the embedded server, then {requests} requests one at a time", highlight=False)
