@@ -65,22 +65,21 @@ class Arms:
     def __init__(self, engine: str, base: dict, ks: list[int], logs: Path, stack: ExitStack):
         self.engine, self.adapter, self.base, self.ks = engine, get_adapter(engine), base, ks
         self.logs, self.stack, self.servers, self.schedule = logs, stack, {}, None
-        self.draft_key = self.adapter.facts.draft_keys[1]
 
     def config(self, arm) -> dict:
         if arm == "schedule":
-            rendering = self.adapter.schedule_args({**self.base, self.draft_key: max(self.ks)}, self.schedule,
-                                                   directory=self.logs)
+            widest = self.adapter.with_draft_length(self.base, max(self.ks))
+            rendering = self.adapter.schedule_args(widest, self.schedule, directory=self.logs)
             rendering.write_files()
-            return {**self.base, self.draft_key: max(self.ks), **rendering.config}
+            return {**widest, **rendering.config}
         if arm == 0 and self.engine != "embedded":  # plain decoding: a server without a speculative config
             return {k: v for k, v in self.base.items() if k not in VLLM_SPECULATION}
-        return {**self.base, self.draft_key: arm}
+        return self.adapter.with_draft_length(self.base, arm)
 
     def server(self, arm):
         key = "one" if self.engine == "embedded" else arm
         if key not in self.servers:
-            first = {**self.base, self.draft_key: max(self.ks)} if key == "one" else self.config(arm)
+            first = self.adapter.with_draft_length(self.base, max(self.ks)) if key == "one" else self.config(arm)
             server = launch(self.adapter, first, log_path=self.logs / f"{self.engine}-{key}.log", timeout_s=600)
             self.stack.callback(server.stop)
             self.servers[key] = server

@@ -329,6 +329,18 @@ class EngineAdapter:
                                  port=port, extra_args=[*rendering.args, *extra_args])
         return argv, {**env, **rendering.env}, rendering
 
+    def draft_length(self, config: dict) -> int:
+        """Tokens a request drafts per step under `config` (0: it does not draft): the draft-length key's value."""
+        drafter_key, k_key = self.facts.draft_keys
+        if not (drafter_key and k_key) or config.get(drafter_key) in (None, "none"):
+            return 0
+        return int(config.get(k_key) or 0)
+
+    def with_draft_length(self, config: dict, k: int) -> dict:
+        """`config` drafting `k` tokens per step, its drafter kept (k = 0: the drafter set to draft nothing, which
+        an engine without a runtime length cannot launch; turn speculation off instead)."""
+        return {**config, self.facts.draft_keys[1]: k}
+
     def _drafting(self, config: dict) -> str:
         """`config`'s drafter; ValueError where it drafts with none (a schedule has nothing to shorten)."""
         drafter = config.get(self.facts.draft_keys[0])

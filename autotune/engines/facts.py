@@ -36,7 +36,8 @@ class EngineFacts:
         default_factory=lambda: {"concurrency": 32, "num_requests": 128, "max_tokens": 256})
     default_budget_s: float | None = None
     runtime_params: frozenset[str] = frozenset()
-    # report and the draft-length schedule: (config key naming the drafter, config key of its draft length).
+    # report and the draft-length schedule: (config key naming the drafter, the space's key of its draft length:
+    # the length itself reads and writes through the adapter's draft_length / with_draft_length).
     draft_keys: tuple[str | None, str | None] = (None, None)
     # bench: acceptance on /metrics, as (verify steps, draft tokens, accepted tokens) counters or (accept length,
     # accept rate) gauges.

@@ -37,6 +37,12 @@ class EngineBehaviour(Protocol):
     def apply_runtime(self, base_url: str, runtime: dict) -> None:
         """Change `runtime` (facts.runtime_params) on a running server; ValueError where it refuses."""
 
+    def draft_length(self, config: dict) -> int:
+        """Tokens a request drafts per step under `config` (0: it does not draft)."""
+
+    def with_draft_length(self, config: dict, k: int) -> dict:
+        """`config` drafting `k` tokens per step, its drafter kept."""
+
     def schedule_args(self, config: dict, schedule: DraftSchedule, *,
                       directory: str | Path = ".") -> ScheduleRendering:
         """`schedule` (batch size -> draft length, fitted for `config`'s drafter) in the engine's own terms; a

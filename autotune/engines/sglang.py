@@ -215,12 +215,31 @@ class SGLangAdapter(EngineAdapter):
         lost = (fixed,) if departs else ()
         if not length:
             return ScheduleRendering(config=dict(self.facts.speculation_off), cannot_express=lost)
-        if algo in ("NGRAM", "DFLASH"):  # a verify of the drafted tokens and the one after them
-            return ScheduleRendering(config={"speculative_num_draft_tokens": length + 1}, cannot_express=lost)
+        return ScheduleRendering(config=self._length_settings(config, length), cannot_express=lost)
+
+    def draft_length(self, config):
+        """NGRAM and DFLASH draft all but one of the tokens they verify; the EAGLE family drafts a token per step
+        (its tree's width is topk, not the length)."""
+        algo = config.get("speculative_algorithm")
+        if algo in (None, "none"):
+            return 0
+        if algo in ("NGRAM", "DFLASH"):
+            block = NGRAM_DEFAULT_DRAFT_TOKENS if algo == "NGRAM" else DFLASH_DEFAULT_BLOCK
+            return int(config.get("speculative_num_draft_tokens") or block) - 1
+        return int(config.get("speculative_num_steps") or 0)
+
+    def with_draft_length(self, config, k):
+        return {**config, **self._length_settings(config, k)}
+
+    @staticmethod
+    def _length_settings(config: dict, length: int) -> dict:
+        """The settings that make `config`'s drafter draft `length` tokens per step."""
+        if config.get("speculative_algorithm") in ("NGRAM", "DFLASH"):  # a verify of the drafted tokens and the next
+            return {"speculative_num_draft_tokens": length + 1}
+        topk = int(config.get("speculative_eagle_topk") or 1)
         tree = 1 + topk + (length - 1) * topk * topk  # check(): the most tokens a tree of these steps offers
         tokens = length + 1 if topk == 1 else min(int(config.get("speculative_num_draft_tokens") or tree), tree)
-        return ScheduleRendering(config={"speculative_num_steps": length, "speculative_eagle_topk": topk,
-                                         "speculative_num_draft_tokens": tokens}, cannot_express=lost)
+        return {"speculative_num_steps": length, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens}
 
     @staticmethod
     def _padded(config: dict, schedule, top: int) -> str:

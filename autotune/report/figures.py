@@ -89,10 +89,10 @@ def fig_importance(ctx: StudyContext, df: pd.DataFrame):
 
 
 def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
-    drafter_key, k_key = ctx.adapter.facts.draft_keys
-    rows = [{"drafter": c.get(drafter_key), "k": c.get(k_key), "tok_s": r.get("output_tok_s"),
+    drafter_key = ctx.adapter.facts.draft_keys[0]
+    rows = [{"drafter": c.get(drafter_key), "k": ctx.adapter.draft_length(c), "tok_s": r.get("output_tok_s"),
              "accept": r.get("accept_length")} for c, (_, r) in zip(df["config"], df.iterrows())
-            if r.get("ok") and c.get(drafter_key) not in NO_DRAFTER and c.get(k_key) is not None]
+            if r.get("ok") and ctx.adapter.draft_length(c) > 0]
     if not rows:
         return "no speculative trial with a draft length was measured"
     data = pd.DataFrame(rows)
@@ -106,7 +106,7 @@ def fig_draft_length(ctx: StudyContext, df: pd.DataFrame):
                         line={"color": color}, legendgroup=str(drafter))
         fig.add_scatter(x=part["k"], y=part["accept"], mode="lines+markers", name=str(drafter), row=1, col=2,
                         line={"color": color}, legendgroup=str(drafter), showlegend=False)
-    fig.update_xaxes(title_text=f"draft length ({k_key})")
+    fig.update_xaxes(title_text="draft length (tokens drafted per step)")
     fig.update_layout(title="Draft-length curve per drafter (median over trials)")
     return fig
 

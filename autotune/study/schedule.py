@@ -261,19 +261,19 @@ def phases_for(profile: LoadProfile | None, levels: list[int]) -> list[Phase]:
 
 
 def drafts(ctx: StudyContext, config: dict) -> bool:
-    drafter_key, k_key = ctx.adapter.facts.draft_keys
-    return bool(drafter_key and k_key) and config.get(drafter_key) not in (None, "none") and bool(config.get(k_key))
+    return ctx.adapter.draft_length(config) > 0
 
 
 def _launch_part(ctx: StudyContext, config: dict) -> dict:
-    skip = set(ctx.adapter.facts.runtime_params) | {ctx.adapter.facts.draft_keys[1]}
-    return {k: v for k, v in config.items() if k not in skip}
+    """The launch settings apart from the draft length (set to 0 here, so two lengths compare equal)."""
+    runtime = set(ctx.adapter.facts.runtime_params)
+    return {k: v for k, v in ctx.adapter.with_draft_length(config, 0).items() if k not in runtime}
 
 
 def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
     """What the study measured on `config`'s launch settings: per phase where a load profile ran, else each
     trial's benchmark at the study's concurrency."""
-    drafter_key, k_key = ctx.adapter.facts.draft_keys
+    drafter_key = ctx.adapter.facts.draft_keys[0]
     same = _launch_part(ctx, config)
     out = []
     for t in ctx.study.get_trials(deepcopy=False):
@@ -281,7 +281,7 @@ def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
         c = a.get("config") or {}
         if not record.is_ok(t) or a.get("status") == record.DUPLICATE or _launch_part(ctx, c) != same:
             continue
-        drafter, k = c.get(drafter_key), int(c.get(k_key) or 0)
+        drafter, k = c.get(drafter_key), ctx.adapter.draft_length(c)
         phases = {int(m.group(1)): v for key, v in a.items() if (m := PHASE_ATTR.fullmatch(key)) and v}
         metrics = a.get("metrics") or {}
         if not phases and metrics.get("output_tok_s") and ctx.load.get("concurrency"):
@@ -308,10 +308,10 @@ def planned_sweep(adapter, levels: list[int], max_tokens: int, repeats: int = SW
 
 def _config_at(ctx: StudyContext, config: dict, k: int) -> dict:
     """The winner with draft length k; k = 0 through the runtime knob where the engine takes it, else plain."""
-    k_key = ctx.adapter.facts.draft_keys[1]
-    if k or k_key in ctx.adapter.facts.runtime_params:
-        return {**config, k_key: k}
-    return {**{key: v for key, v in config.items() if key != k_key}, **ctx.adapter.facts.speculation_off}
+    if k or ctx.adapter.facts.draft_keys[1] in ctx.adapter.facts.runtime_params:
+        return ctx.adapter.with_draft_length(config, k)
+    length_keys = ctx.adapter.with_draft_length({}, 1)  # the settings a draft length is made of
+    return {**{key: v for key, v in config.items() if key not in length_keys}, **ctx.adapter.facts.speculation_off}
 
 
 def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] | None = None,
@@ -321,7 +321,7 @@ def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] |
     """measure_grid on servers of `config`'s launch settings: one, where the engine changes k live. ValueError
     (one line) when a server cannot start or dies."""
     adapter, drafter = ctx.adapter, config[ctx.adapter.facts.draft_keys[0]]
-    ks = ks if ks is not None else draft_grid(adapter, config[adapter.facts.draft_keys[1]])
+    ks = ks if ks is not None else draft_grid(adapter, adapter.draft_length(config))
     workload = workload or load_workload(ctx.workload, ctx.load.get("seed") or 0)
     max_tokens = max_tokens or ctx.load.get("max_tokens")
     groups: dict[str, list[int]] = {}  # one server per launch configuration
@@ -385,7 +385,7 @@ def fit_for_study(ctx: StudyContext, config: dict, trial: int | None, *, levels:
     measured += [m for m in from_trials(ctx, config) if m.batch in levels]  # a batch of no sweep has no rival k
     notes = ()
     swept = {(m.batch, m.draft_length) for m in measured if m.source == "sweep"}
-    ks = sweep_options.get("ks") or draft_grid(ctx.adapter, config[ctx.adapter.facts.draft_keys[1]])
+    ks = sweep_options.get("ks") or draft_grid(ctx.adapter, ctx.adapter.draft_length(config))
     wanted = {(c, k) for c in levels for k in ks}
     if wanted - swept:
         notes = (f"the sweep measured {len(swept)} of {len(wanted)} cells before the budget's deadline",)

@@ -234,3 +234,28 @@ def test_the_embedded_engine_is_pointed_at_the_schedule_file(tmp_path):
     assert embedded.validate_flags(argv) == [] and rendering.cannot_express == ()
     assert rendering.write_files() == [tmp_path / "draft_schedule.yaml"]
     assert DraftSchedule.load(flag_value(argv, "--draft-schedule")) == RAMP
+
+
+def test_the_draft_length_reads_and_writes_in_each_engines_own_terms():
+    """What the schedule's sweep and the report call k: SGLang's EAGLE family drafts a token per step (its
+    num_steps; the draft tokens are the verified tree), NGRAM and DFLASH all but one of the tokens they verify."""
+    from autotune.engines import ENGINES
+    from autotune.space import load_space
+
+    sglang = get_adapter("sglang")
+    chain = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+             "speculative_num_draft_tokens": 4}
+    assert sglang.draft_length(chain) == 3
+    assert sglang.with_draft_length(chain, 5) == {**chain, "speculative_num_steps": 5, "speculative_num_draft_tokens": 6}
+    tree = {**chain, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16}
+    assert sglang.draft_length(tree) == 3 and sglang.with_draft_length(tree, 2)["speculative_num_draft_tokens"] == 16
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 12}
+    assert sglang.draft_length(ngram) == 11 and sglang.with_draft_length(ngram, 4)["speculative_num_draft_tokens"] == 5
+    assert sglang.draft_length({"speculative_algorithm": None, "speculative_num_draft_tokens": 12}) == 0
+    for name in ENGINES:  # every drafting seed: a length written reads back, and the engine's rules accept it
+        adapter = get_adapter(name)
+        for seed in load_space(name).seed_configs():
+            if adapter.draft_length(seed) > 0:
+                longer = adapter.with_draft_length(seed, 2)
+                assert adapter.draft_length(longer) == 2, (name, seed)
+                assert adapter.check(longer, has_draft_model=True) == [], (name, longer)
