@@ -21,7 +21,7 @@ from autotune.estimator.live import measurable
 from autotune.study import schedule
 from autotune.study.budget import REPORT_S, Budget, Finish, Prices, minutes
 from autotune.study.storage import load_study
-from autotune.validate.record import Validation, Winner
+from autotune.validate.record import Validation
 from autotune.validate.run import validate
 from autotune.validate.settings import ValidationSettings
 
@@ -131,7 +131,7 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
     else:
         metric, stats = doc.metric, winner.stats[doc.metric]
         ci = stats.ci95
-        changed = _changed(doc, winner)
+        changed = doc.winner_changes()
         lines.append(f"exported: trial {winner.trial} ({' '.join(changed) or 'the engine defaults'})")
         gain = winner.gain_over_baseline if changed else None  # the defaults themselves: a ratio would be noise
         lines.append(f"validated: {metric} {stats.median:.4g}" + (f" (95% CI {ci[0]:.4g}..{ci[1]:.4g})" if ci else "")
@@ -161,8 +161,3 @@ def closing_lines(done: dict, directory: Path, storage: str, budget: Budget | No
         lines.append(f"time: {minutes(budget.total_s - budget.left())} of a {minutes(budget.total_s)} budget")
     return lines + [f"note: {problem}" for problem in done["problems"]]
 
-
-def _changed(doc: Validation, winner: Winner) -> list[str]:
-    """The winner's settings that differ from the baseline's (the engine defaults with the user's pins)."""
-    base = doc.baseline.config
-    return [f"{k}={v}" for k, v in winner.config.items() if base.get(k) != v]

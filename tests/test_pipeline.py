@@ -20,6 +20,7 @@ def test_a_winner_that_is_the_engine_defaults_claims_no_gain_over_them(tmp_path)
     text = closing(doc, tmp_path)
     assert f"exported: trial {doc.winner.trial} (the engine defaults)" in text
     assert "x the engine defaults" not in text
+    assert doc.winner_changes() == []  # `autotune show` reads the same record, so says no gain either
 
 
 def test_a_winner_that_changes_settings_states_its_gain_over_the_defaults(tmp_path):

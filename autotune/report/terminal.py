@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autotune.bench.metric_registry import metric as metric_of
 from autotune.report.data import trials_frame, validation_doc
 from autotune.report.text import config_short, summary_lines
 from autotune.study.storage import load_study
+
+SHOWN_COLUMNS = ("e2e_ms_p95", "accept_length")  # beside the objective: latency and acceptance
 
 
 def show(study: str | Path, *, storage: str | None = None, console=None, limit: int = 10) -> None:
@@ -20,11 +23,11 @@ def show(study: str | Path, *, storage: str | None = None, console=None, limit: 
         console.print(line, highlight=False, markup=False)
     metric = ctx.primary().name
     table = Table(title=f"top configurations by {metric}")
-    for col in ("#", metric, "p95 e2e ms", "accept len", "config"):
+    for col in ("#", metric, *(metric_of(n).label for n in SHOWN_COLUMNS), "config"):
         table.add_column(col, overflow="fold")
     for t in ctx.ranked()[:limit]:
         m = t.user_attrs.get("metrics") or {}
-        table.add_row(str(t.number), f"{t.values[0]:.4g}", _fmt(m.get("e2e_ms_p95"), 0), _fmt(m.get("accept_length"), 2),
+        table.add_row(str(t.number), f"{t.values[0]:.4g}", *(metric_of(n).format(m.get(n)) for n in SHOWN_COLUMNS),
                       config_short(t.user_attrs.get("config") or {}))
     console.print(table)
     failed = df[~df["ok"]]
@@ -36,6 +39,3 @@ def show(study: str | Path, *, storage: str | None = None, console=None, limit: 
     if files:
         console.print("files: " + ", ".join(map(str, files)), highlight=False, markup=False)
 
-
-def _fmt(value, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

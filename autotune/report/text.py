@@ -20,7 +20,7 @@ def summary_lines(ctx: StudyContext, df: pd.DataFrame, validation: Validation | 
     if validation and validation.winner:
         w = validation.winner
         s = w.stats[metric]
-        gain = f", {w.gain_over_baseline:.2f}x the baseline" if w.gain_over_baseline else ""
+        gain = f", {w.gain_over_baseline:.2f}x the baseline" if w.gain_over_baseline and validation.winner_changes() else ""
         who = f"trial {w.trial}" if w.trial is not None else w.label or "the baseline"
         lines.append(f"validated winner: {who}, {metric} median {s.median:.4g} "
                      f"(95% CI {s.ci95[0]:.4g}..{s.ci95[1]:.4g}) over {len(s.values)} repeats{gain}")

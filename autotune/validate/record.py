@@ -161,3 +161,9 @@ class Validation(BaseModel):
 
     def candidate(self, trial: int | None) -> ValidatedConfig | None:
         return next((c for c in self.candidates if c.trial == trial), None)
+
+    def winner_changes(self) -> list[str]:
+        """The winner's settings that differ from the baseline's (the engine defaults with the user's pins) as
+        key=value; empty when the winner is the baseline's configuration (its gain over it is then noise)."""
+        base = self.baseline.config
+        return [f"{k}={v}" for k, v in (self.winner.config if self.winner else {}).items() if base.get(k) != v]
