@@ -110,7 +110,8 @@ def start(adapter, argv: list[str], env: dict, log: Path, timeout_s: float):
 # -- the re-check ----------------------------------------------------------------------------------
 def reference(ctx) -> dict:
     """The validated numbers and the load they were measured with (unvalidated: the study's trial)."""
-    metric, direction = ctx.primary().name, ctx.primary().direction
+    primary = ctx.primary()
+    metric, direction = primary.name, primary.direction
     doc = Validation.load(ctx.best_dir)
     settings = {**ctx.load, "slo": ctx.slo, **(doc.settings if doc else {})}
     winner = doc.winner if doc else None

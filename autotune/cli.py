@@ -467,7 +467,7 @@ def _fail(e: BaseException, code: int = 2):
     raise typer.Exit(code)
 
 
-from autotune.validate.settings import ValidationSettings
+from autotune.validate.settings import ValidationSettings  # pydantic only: cheap to import at start-up
 
 _VALIDATION = ValidationSettings()
 
@@ -617,7 +617,7 @@ def ci(
     raise typer.Exit(result["exit_code"])
 
 # -- autotune bundle: an engine's wheels for an offline (air-gapped) machine --------------------------
-from autotune.bundle.command import bundle
+from autotune.bundle.command import bundle  # grouped with its command, as serve's config is
 
 app.command()(bundle)
 

@@ -21,7 +21,8 @@ NO_DRAFTER = (None, "none")
 
 
 def fig_history(ctx: StudyContext, df: pd.DataFrame):
-    metric, direction = ctx.primary().name, ctx.primary().direction
+    primary = ctx.primary()
+    metric, direction = primary.name, primary.direction
     measured = df[df["value"].notna()]
     if measured.empty:
         return "no trial was measured"

@@ -16,7 +16,7 @@ settings changed from the engine defaults is exported. A race the budget ends be
 too, but the evidence is not in: the fastest by median is exported (on the H200 the simpler of such a
 pair ran 5% slower, benchmarks/results/h200-2026-12-03c).
 
-`validate(study)` (run.py; its defaults: settings.py `ValidationSettings`) writes studies/<name>/best/validation.json (record.py: `Validation`, read back
-with `Validation.load`) and the per-request tables of every repeat to
-studies/<name>/validation/<label>-repeat-<r>.parquet.
+`validate(study)` (run.py; its defaults: settings.py `ValidationSettings`) writes
+studies/<name>/best/validation.json (record.py: `Validation`, read back with `Validation.load`) and the
+per-request tables of every repeat to studies/<name>/validation/<label>-repeat-<r>.parquet.
 """

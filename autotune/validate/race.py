@@ -84,7 +84,8 @@ def next_round(ctx: StudyContext, results: list[dict], baseline: dict, *, confid
     """Who gets one more fresh launch: the winner and each rival it does not yet beat beyond the noise (below
     `max_repeats`), with every runtime variant that shares a launch with one of them, so variants stay paired
     launch for launch. Empty once the race is settled or capped."""
-    metric, direction = ctx.primary().name, ctx.primary().direction
+    primary = ctx.primary()
+    metric, direction = primary.name, primary.direction
     winner, _ = pick_winner(results, metric, direction)
     if winner is None:
         return []
@@ -113,7 +114,8 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
     if not tied:
         return winner, None
     group = [winner, *tied]
-    metric, direction = ctx.primary().name, ctx.primary().direction
+    primary = ctx.primary()
+    metric, direction = primary.name, primary.direction
     sign = -1 if direction == MAXIMIZE else 1
     changed = {r["label"]: sorted(ctx.adapter.effective(r["config"])) for r in group}
     others = ", ".join(r["label"] for r in tied)

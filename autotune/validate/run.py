@@ -60,7 +60,8 @@ def validate(study: str | Path | StudyContext, *, settings: ValidationSettings |
     prompts = workload.requests[:s.quality_prompts]
     (ctx.directory / "validation").mkdir(parents=True, exist_ok=True)
     console = console or Console(stderr=True)
-    metric, direction = ctx.primary().name, ctx.primary().direction
+    primary = ctx.primary()
+    metric, direction = primary.name, primary.direction
     base_key = effective_key(ctx.adapter, base_config)
     steps = repeats * (len(candidates) + 1)
     looks = max_repeats - repeats + 1  # times the intervals are looked at: once per added repeat, and first
