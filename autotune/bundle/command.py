@@ -1,9 +1,11 @@
 """`autotune bundle`: an engine release and the wheels an offline machine lacks for it, as a folder:
 
     DIR/wheels/        the wheels (from PyPI, each checked against the sha256 it publishes)
-    DIR/parts/NN/      the same as parts of at most --part-size, grouped into batches of at most that size:
-                       a wheel that fits is its own part, a larger one is cut into WHEEL.partNNN
-    DIR/install.sh     checks every part's sha256, joins the wheels, pip-installs them (no index, no deps)
+    DIR/packed/        large wheels stored and zstd-compressed for the trip where that pays (WHEEL.zst, pack.py)
+    DIR/parts/NN/      the files to carry as parts of at most --part-size, grouped into batches of at most that
+                       size: a file that fits is its own part, a larger one is cut into FILE.partNNN
+    DIR/install.sh     checks every part's sha256, joins and decompresses the wheels, checks them again,
+                       pip-installs them (no index, no deps)
     DIR/manifest.json  what was picked and why, what the machine already has, what was dropped and why
 
 Run as `python3 -m autotune.bundle.command --engine sglang ...` or through the CLI once registered there.
@@ -16,14 +18,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from packaging.specifiers import SpecifierSet
 
-from autotune.bundle.download import fetch_all
+from autotune.bundle.download import fetch_all, sha256_of
 from autotune.bundle.index import Index, IndexError_
+from autotune.bundle.pack import Packed, pack
 from autotune.bundle.resolve import Resolution, ResolveError, Resolver
-from autotune.bundle.script import install_script, write_install_script
+from autotune.bundle.script import Carried, install_script, write_install_script
 from autotune.bundle.split import Part, batches, parse_size, split_file
 from autotune.bundle.target import Target, read_freeze
 from autotune.engines import get_adapter
+
+PACK_FROM = 4 << 20  # smaller wheels travel as they are: packing saves them little for the time it takes
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,27 @@ def manifest(res: Resolution, target: Target, drops: dict[str, str], parts: list
     }
 
 
+def lay_out(out: Path, wheels: list[Path], packed: dict[str, Packed], helpers: list[Path],
+            limit: int) -> tuple[list[Part], list[list[Part]], list[Carried]]:
+    """What travels, in out/parts/NN/: each wheel (or its packed form) and each helper as parts, grouped into
+    batches of at most `limit`; and install.sh's row for each wheel, then each helper."""
+    carried = {path.name: packed[path.name].path if path.name in packed else path for path in [*wheels, *helpers]}
+    parts = [part for path in carried.values() for part in split_file(path, limit, out / "pieces")]
+    grouped = batches(parts, limit)
+    for number, batch in enumerate(grouped):
+        folder = out / "parts" / f"{number:02d}"
+        folder.mkdir(parents=True)
+        for part in batch:
+            (out / "pieces" / part.name).replace(folder / part.name)
+    shutil.rmtree(out / "pieces")
+    pieces: dict[str, int] = {}
+    for part in parts:
+        pieces[part.wheel] = pieces.get(part.wheel, 0) + (part.name != part.wheel)
+    rows = [Carried(packed[path.name].stored_sha256 if path.name in packed else sha256_of(path), path.name,
+                    carried[path.name].name, pieces[carried[path.name].name]) for path in [*wheels, *helpers]]
+    return parts, grouped, rows
+
+
 def bundle(
     engine: Annotated[str, typer.Option(help="engine whose release to bundle (its PyPI name)")],
     torch: Annotated[str, typer.Option(help="the target's torch version, e.g. 2.11.0 (a +cuXXX label is ignored)")],
@@ -75,6 +102,8 @@ def bundle(
     part_size: Annotated[str, typer.Option(help="largest part and batch: what one transfer carries")] = "40M",
     glibc: Annotated[str, typer.Option(help="the target's glibc (wheels for a newer one are not picked)")] = "2.35",
     machine: Annotated[str, typer.Option(help="the target's machine (platform_machine)")] = "x86_64",
+    compress: Annotated[bool, typer.Option(help="carry large wheels stored and zstd-compressed where that saves "
+                                                "at least 15% (install.sh decompresses them)")] = True,
 ) -> None:
     """Bundle an engine release that matches the target's torch and CUDA, with the wheels it lacks, for an
     offline install: wheels, parts of --part-size, install.sh with checksums, manifest.json."""
@@ -97,25 +126,33 @@ def bundle(
     except (OSError, ValueError, IndexError_) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    for stale in (out / "parts", out / "pieces"):
+    for stale in (out / "parts", out / "pieces", out / "packed"):
         shutil.rmtree(stale, ignore_errors=True)
-    parts = [part for path in paths for part in split_file(path, limit, out / "pieces")]
-    grouped = batches(parts, limit)
-    for number, batch in enumerate(grouped):
-        folder = out / "parts" / f"{number:02d}"
-        folder.mkdir(parents=True)
-        for part in batch:
-            (out / "pieces" / part.name).replace(folder / part.name)
-    shutil.rmtree(out / "pieces")
-    pieces = {}
-    for part in parts:
-        pieces[part.wheel] = pieces.get(part.wheel, 0) + (part.name != part.wheel)
+    packed = {path.name: found for path in paths if compress and path.stat().st_size >= PACK_FROM
+              if (found := pack(path, out / "packed"))}
+    helpers = []  # a zstandard wheel install.sh decompresses with where the machine has no zstd
+    zstd = next((path for path in paths if path.name.startswith("zstandard-")), None)
+    if packed and zstd is None:
+        zstd_wheel = resolver.best_wheel("zstandard", SpecifierSet())
+        if zstd_wheel is None:
+            typer.echo("error: no zstandard wheel for the target: run again with --no-compress", err=True)
+            raise typer.Exit(1)
+        zstd = fetch_all([zstd_wheel], out / "wheels")[0]
+        helpers = [zstd]
+    parts, grouped, rows = lay_out(out, paths, packed, helpers, limit)
     title = f"install.sh: {engine} {res.engine.version} and the {len(wheels) - 1} wheels it needs that the target lacks"
-    write_install_script(out / "install.sh", install_script(
-        title, parts, [(w.sha256, w.filename, pieces[w.filename]) for w in wheels], res.unchecked))
+    by_name = {row.wheel: row for row in rows}
+    write_install_script(out / "install.sh", install_script(title, parts, rows[:len(wheels)], res.unchecked,
+                                                            by_name[zstd.name] if packed else None))
     args = {"engine": engine, "python": python, "torch": torch, "cuda": cuda, "target_freeze": str(target_freeze),
-            "part_size": part_size, "glibc": glibc, "machine": machine}
-    (out / "manifest.json").write_text(json.dumps(manifest(res, target, drops, grouped, args), indent=1) + "\n")
+            "part_size": part_size, "glibc": glibc, "machine": machine, "compress": compress}
+    record = manifest(res, target, drops, grouped, args)
+    record["packed"] = {name: {"carried": p.path.name, "bytes": p.path.stat().st_size,
+                               "stored_sha256": p.stored_sha256} for name, p in sorted(packed.items())}
+    record["carried_bytes"] = sum(p.size for p in parts)
+    (out / "manifest.json").write_text(json.dumps(record, indent=1) + "\n")
+    typer.echo(f"{len(packed)} wheels packed: {sum(w.size for w in wheels) / 1e6:.0f} MB travel as "
+               f"{record['carried_bytes'] / 1e6:.0f} MB")
     typer.echo(f"{len(parts)} parts in {len(grouped)} batches of at most {part_size} ({out / 'parts'}); "
                f"dropped {len(res.dropped)}: {', '.join(sorted(res.dropped)) or 'none'}; "
                f"left to the target {len(res.unchecked)}; {out / 'install.sh'}")

@@ -1,6 +1,7 @@
-"""install.sh: reassemble the parts, check every sha256, install the wheels with pip (no index, no dependency
+"""install.sh: reassemble the parts, decompress what travelled compressed, check every sha256, install the wheels with pip (no index, no dependency
 resolution: the bundle is the resolution), then check the requirements the bundle left to the machine."""
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.bundle.split import Part
@@ -64,11 +65,14 @@ parts=$(cat <<'PARTS'
 {parts}
 PARTS
 )
-# sha256, name and piece count of every wheel (0: the part is the wheel itself)
+# sha256 and name of every wheel as pip installs it, the name of the file that carries it (the wheel, or the wheel
+# stored and zstd-compressed: NAME.zst) and that file's piece count (0: the part is the file itself)
 wheels=$(cat <<'WHEELS'
 {wheels}
 WHEELS
 )
+# the same for the bundle's own zstandard wheel, which decompresses where this machine has no zstd (not installed)
+zstd_wheel="{zstd_wheel}"
 find_part() {{ find "${{folders[@]}}" -type f -name "$1" -print -quit 2>/dev/null; }}
 while read -r sha name; do
   path=$(find_part "$name")
@@ -78,31 +82,64 @@ done <<< "$parts"
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-while read -r sha wheel pieces; do
+# rebuild DIR SHA WHEEL CARRIED PIECES: the wheel in DIR, joined from its pieces, decompressed, checked
+rebuild() {{
+  local dir=$1 sha=$2 wheel=$3 carried=$4 pieces=$5
   if [ "$pieces" = 0 ]; then
-    cp "$(find_part "$wheel")" "$work/$wheel"
+    cp "$(find_part "$carried")" "$dir/$carried"
   else
-    for i in $(seq 0 $((pieces - 1))); do cat "$(find_part "$(printf '%s.part%03d' "$wheel" "$i")")"; done > "$work/$wheel"
+    for i in $(seq 0 $((pieces - 1))); do cat "$(find_part "$(printf '%s.part%03d' "$carried" "$i")")"; done > "$dir/$carried"
   fi
-  echo "$sha  $work/$wheel" | sha256sum --check --status || {{ echo "install.sh: $wheel joined from its parts is corrupted" >&2; exit 1; }}
-done <<< "$wheels"
+  if [ "$carried" != "$wheel" ]; then decompress "$dir/$carried" "$dir/$wheel"; rm "$dir/$carried"; fi
+  echo "$sha  $dir/$wheel" | sha256sum --check --status || {{ echo "install.sh: $wheel joined from its parts is corrupted" >&2; exit 1; }}
+}}
+decompress() {{
+  if command -v zstd >/dev/null; then zstd -d -q -f --long=31 -o "$2" "$1"; return; fi
+  if ! "$python" -c 'import zstandard' 2>/dev/null && [ ! -d "$work/zstd" ]; then
+    mkdir "$work/helper"
+    rebuild "$work/helper" $zstd_wheel
+    "$python" -m zipfile -e "$work/helper/"*.whl "$work/zstd"
+  fi
+  PYTHONPATH="$work/zstd${{PYTHONPATH:+:$PYTHONPATH}}" "$python" -c '
+import sys, zstandard
+with open(sys.argv[1], "rb") as src, open(sys.argv[2], "wb") as dst:
+    zstandard.ZstdDecompressor(max_window_size=1 << 31).copy_stream(src, dst)' "$1" "$2"
+}}
+while read -r sha wheel carried pieces; do rebuild "$work" "$sha" "$wheel" "$carried" "$pieces"; done <<< "$wheels"
 echo "install.sh: {count} wheels checked; installing"
 "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade ${{target:+--target "$target"}} "$work"/*.whl
 check_requirements || echo "install.sh: installed; the requirements above are not met on this machine"
 '''
 
 
-def install_script(title: str, parts: list[Part], wheels: list[tuple[str, str, int]], requirements: dict[str, str]) -> str:
-    """install.sh's text. wheels: (sha256, file name, piece count: 0 for a wheel that is its own part)."""
-    for name in [p.name for p in parts] + [w for _, w, _ in wheels]:
+@dataclass(frozen=True)
+class Carried:
+    """A wheel as install.sh rebuilds it: the sha256 of the wheel pip installs, its name, the file that carries it
+    (the wheel itself, or WHEEL.zst: stored and compressed) and that file's piece count (0: one whole part)."""
+    sha256: str
+    wheel: str
+    carried: str
+    pieces: int
+
+
+def _row(w: Carried) -> str:
+    return f"{w.sha256} {w.wheel} {w.carried} {w.pieces}"
+
+
+def install_script(title: str, parts: list[Part], wheels: list[Carried], requirements: dict[str, str],
+                   zstd_wheel: Carried | None = None) -> str:
+    """install.sh's text. zstd_wheel: a zstandard wheel among the parts (not installed), for a machine without
+    zstd where any wheel is carried compressed."""
+    rows = [*wheels, *([zstd_wheel] if zstd_wheel else [])]
+    for name in [p.name for p in parts] + [n for w in rows for n in (w.wheel, w.carried)]:
         if shlex.quote(name) != name:  # the tables are read word by word
             raise ValueError(f"a file name install.sh cannot carry: {name!r}")
     return TEMPLATE.format(
         title=title,
         requirements="\n".join(f"{name}\t{spec}" for name, spec in sorted(requirements.items())),
         parts="\n".join(f"{p.sha256} {p.name}" for p in sorted(parts, key=lambda p: p.name)),
-        wheels="\n".join(f"{sha} {name} {pieces}" for sha, name, pieces in sorted(wheels, key=lambda w: w[1])),
-        count=len(wheels))
+        wheels="\n".join(_row(w) for w in sorted(wheels, key=lambda w: w.wheel)),
+        zstd_wheel=_row(zstd_wheel) if zstd_wheel else "", count=len(wheels))
 
 
 def write_install_script(path: Path, text: str) -> Path:

@@ -25,7 +25,7 @@ def parse_size(text: str) -> int:
 @dataclass(frozen=True)
 class Part:
     name: str  # file name: the wheel's own, or WHEEL.partNNN for a piece of a larger wheel
-    wheel: str  # the wheel's file name
+    wheel: str  # the file it is cut from: the wheel, or the wheel packed for the trip (WHEEL.zst, pack.py)
     index: int  # its place among the wheel's pieces (0 for a whole wheel)
     size: int
     sha256: str

@@ -1,10 +1,13 @@
 """autotune bundle: resolution against PyPI itself (no recorded answers: PyPI unreachable fails the test, saying
 so), markers evaluated for a target that is not this machine, parts that join back to the same bytes, and the
 generated install.sh installing real wheels offline and refusing a corrupted part."""
+import base64
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -12,8 +15,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag
 
+from autotune.bundle.command import lay_out
 from autotune.bundle.download import fetch_all, sha256_of
 from autotune.bundle.index import Index
+from autotune.bundle.pack import pack
 from autotune.bundle.resolve import Resolver, applies
 from autotune.bundle.script import install_script, write_install_script
 from autotune.bundle.split import batches, join, parse_size, split_file
@@ -114,22 +119,39 @@ def test_split_join_and_batches_round_trip(tmp_path):
         parse_size("lots")
 
 
-def _bundle(tmp_path: Path) -> tuple[Path, Path]:
-    """Real wheels (six, idna) from PyPI as parts of 32 KiB in two folders, and their install.sh."""
+def _bundle(tmp_path: Path, extra: list[Path] = (), packed: dict | None = None,
+            helpers: list[Path] = ()) -> tuple[Path, Path]:
+    """Real wheels (six, idna) from PyPI, and `extra` ones, as parts of 32 KiB in numbered folders, laid out as
+    the command lays them out, and their install.sh."""
     resolver = Resolver(_index(), Target(TARGET_PY))
     wheels = [resolver.best_wheel("six", SpecifierSet("==1.16.0")), resolver.best_wheel("idna", SpecifierSet("==3.7"))]
-    paths = fetch_all(wheels, tmp_path / "wheels")
-    parts = [p for path in paths for p in split_file(path, 32 << 10, tmp_path / "pieces")]
+    paths = fetch_all(wheels, tmp_path / "wheels") + list(extra)
+    parts, _, rows = lay_out(tmp_path, paths, packed or {}, list(helpers), 32 << 10)
     assert any(p.name != p.wheel for p in parts)  # idna's wheel (66 KB) travels in pieces
-    for number, group in enumerate(batches(parts, 32 << 10)):
-        (tmp_path / "parts" / f"{number:02d}").mkdir(parents=True)
-        for part in group:
-            (tmp_path / "pieces" / part.name).replace(tmp_path / "parts" / f"{number:02d}" / part.name)
-    pieces = {w.filename: sum(p.wheel == w.filename and p.name != w.filename for p in parts) for w in wheels}
+    assert [r.sha256 for r in rows[:2]] == [w.sha256 for w in wheels]
     script = write_install_script(tmp_path / "install.sh", install_script(
-        "test bundle", parts, [(w.sha256, w.filename, pieces[w.filename]) for w in wheels],
-        {"packaging": ">=20", "not-installed-anywhere-xyz": ""}))
+        "test bundle", parts, rows[:len(paths)], {"packaging": ">=20", "not-installed-anywhere-xyz": ""},
+        rows[len(paths)] if helpers else None))
     return script, tmp_path / "parts"
+
+
+def _redundant_wheel(folder: Path) -> Path:
+    """A real, installable wheel whose 12 modules share one 64 KB block of random text: deflate packs each member
+    alone (about 12 x 33 KB), zstd's long window sees the block once."""
+    block = os.urandom(32 << 10).hex()
+    files = {f"bundle_probe/m{i}.py": f"DATA = {block!r}\nINDEX = {i}\n" for i in range(12)}
+    files["bundle_probe/__init__.py"] = ""
+    files["bundle_probe-1.0.dist-info/METADATA"] = "Metadata-Version: 2.1\nName: bundle-probe\nVersion: 1.0\n"
+    files["bundle_probe-1.0.dist-info/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for name, text in files.items()]
+    files["bundle_probe-1.0.dist-info/RECORD"] = "\n".join(record + ["bundle_probe-1.0.dist-info/RECORD,,"]) + "\n"
+    path = folder / "bundle_probe-1.0-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
 
 
 def _run(*argv) -> subprocess.CompletedProcess:
@@ -173,3 +195,34 @@ def test_command_refuses_bad_input_in_one_line(tmp_path):
         done = subprocess.run(base + extra, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_packed_wheel_travels_smaller_and_installs_where_the_machine_has_no_zstd(tmp_path):
+    """The redundant wheel packs to under a third of its deflated size; install.sh, on a PATH without zstd and
+    with a Python that has no zstandard, decompresses it with the bundle's own zstandard wheel and installs it."""
+    probe = _redundant_wheel(tmp_path / "built")
+    packed = pack(probe, tmp_path / "packed")
+    assert packed is not None and packed.path.stat().st_size < probe.stat().st_size / 3
+    assert pack(fetch_all([Resolver(_index(), Target(TARGET_PY)).best_wheel("six", SpecifierSet("==1.16.0"))],
+                          tmp_path / "six")[0], tmp_path / "packed-six") is None  # saves too little: as it is
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"  # the helper runs in this test's Python
+    helper = Resolver(_index(), Target(here)).best_wheel("zstandard", SpecifierSet())
+    script, parts = _bundle(tmp_path, [probe], {probe.name: packed}, fetch_all([helper], tmp_path / "helper"))
+    carried = [path.name for path in parts.rglob(probe.name + "*")]
+    assert carried and all(name.startswith(probe.name + ".zst") for name in carried)
+    bare = tmp_path / "bare"  # a Python without zstandard, and a PATH with the tools install.sh uses but zstd
+    subprocess.run([sys.executable, "-m", "venv", bare], check=True)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "cat", "cp", "dirname", "find", "mkdir", "mktemp", "rm", "seq", "sha256sum"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    python = bare / "bin" / "python"
+    assert subprocess.run([python, "-c", "import zstandard"], capture_output=True, check=False).returncode != 0
+    site = tmp_path / "site"
+    done = subprocess.run(["bash", script, "--target", site, parts], capture_output=True, text=True, timeout=300,
+                          check=False, env={"PATH": str(tools), "PYTHON": str(python), "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "3 wheels checked" in done.stdout
+    read = subprocess.run([python, "-c", "import bundle_probe.m11 as m; print(m.INDEX, len(m.DATA))"], check=True,
+                          capture_output=True, text=True, env={"PYTHONPATH": str(site)})
+    assert read.stdout.split() == ["11", str(64 << 10)]
