@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from autotune import provenance
 from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
-from autotune.engines import get_adapter
+from autotune.engines import ENGINES, get_adapter
 from autotune.engines.launcher import LaunchError, launch
 
 FAST = {"compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4, 8]}
@@ -106,6 +106,8 @@ def sweep(args):
     cells, launched = [], []
     settings = {"engine": args.engine, "workload": WORKLOAD, "max_tokens": args.max_tokens,
                 "per_stream": args.per_stream, "seed": args.seed}
+    if args.engine not in LAUNCHES:
+        raise SystemExit(f"sweep: no reference sweep for {args.engine} (one of {', '.join(sorted(LAUNCHES))})")
     for name, config, lengths in LAUNCHES[args.engine]():
         if args.only and not re.search(args.only, name):
             continue
@@ -293,7 +295,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["prewarm", "sweep", "tuner", "confirm", "summarize"])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--engine", choices=sorted(LAUNCHES), default="embedded")
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="embedded", help="sweep: embedded or llamacpp")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--per-stream", type=int, default=4, help="measured requests per concurrent stream")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -160,6 +160,16 @@ class SGLangAdapter(EngineAdapter):
     def health_url(self, base_url):
         return base_url.rstrip("/") + "/health_generate"
 
+    def default_model(self) -> str | None:
+        from autotune.engines.hf_model import bundled_hf_dir
+
+        return str(bundled_hf_dir(sys.executable))
+
+    def preset_model(self, preset, hub_repo, given):
+        from autotune.embedded.bundled import BUNDLED_PRESET
+
+        return self.default_model() if preset == BUNDLED_PRESET and self.installed() else hub_repo or given
+
     def bundle_drops(self, cuda):
         return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
 

