@@ -162,14 +162,6 @@ MOE_EXTRA_KERNELS = 4
 # kernels and a grid too small to fill the GPU), used at every batch with the experts its tokens touch.
 MOE_BANDWIDTH_SHARE = 0.56
 MOE_FIXED_S = 22.8e-6
-# A pass over several tokens (a verify pass's draft tokens, a batch) touches more experts, and those extra experts
-# stream at a larger share: the same kernel's timings at batch 1-64 on the A100-PCIE-40GB (vllm-project/vllm PR #19049
-# / sgl-project/sglang PR #6825, "Before this PR": 109.21, 159.81, 268.89, 403.13, 611.19, 730.19, 808.53, 885.97,
-# 917.45 us at 1, 2, 4, 8, 16, 24, 32, 48, 64 tokens) and at batch 2 and 4 on the B200 (vllm-project/vllm PR #31448,
-# "with default config": 51.87, 73.18 us) follow the batch-1 line above plus the bytes beyond one token's experts
-# (uniform routing, ModelSpec.routed_read_params) at this share of the bandwidth, within 7.3 % at all 11 sizes
-# (least squares of the log ratio); the batch-1 line alone would price 16 tokens at 1.5x the published time.
-MOE_MARGINAL_BANDWIDTH_SHARE = 0.88
 # Weight-only quantized GEMVs at batch 1 reach a smaller share of the bandwidth than 16-bit ones (dequantizing
 # in the kernel): torchao's quantization README (pytorch/ao, torchao/quantization/README.md, Benchmarks, the
 # tinygemm int4 and inductor int8 kernels gpt-fast and the embedded engine use), achieved GB/s against bf16's:
@@ -198,7 +190,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     """`tokens` new tokens spread over `seqs` sequences of `context` cached tokens; weights/params per GPU;
     `moe_layers` of the `layers` run experts (MOE_EXTRA_KERNELS more each). On a GPU, of `weight_bytes` the
     routed experts' `routed_bytes` are read at the fused-MoE kernel's share of the bandwidth (plus its fixed
-    time; the experts beyond one token's at its larger marginal share), and the linear layers' `linear_bytes` at a weight-only quantized GEMV's, relative to a dense
+    time), and the linear layers' `linear_bytes` at a weight-only quantized GEMV's, relative to a dense
     GEMV's (Coefficients.mem_scale)."""
     bw, peak, link, latency = _hardware(profile, k)
     mem = weight_bytes + seqs * context * kv_per_token
@@ -207,9 +199,7 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
         dense_share = 1 / Coefficients.mem_scale
         mem += linear_bytes * (1 / WEIGHT_ONLY_BANDWIDTH_SHARE.get(k.quantization or "", 1.0) - 1)
         if routed_bytes:
-            one_token = min(routed_bytes, routed_read_bytes(model, k, 1))
-            mem += (one_token * (dense_share / MOE_BANDWIDTH_SHARE - 1)
-                    + (routed_bytes - one_token) * (dense_share / MOE_MARGINAL_BANDWIDTH_SHARE - 1))
+            mem += routed_bytes * (dense_share / MOE_BANDWIDTH_SHARE - 1)
             fixed = moe_layers * MOE_FIXED_S
     flops = 2 * params * tokens + 4 * layers * attn_width * context * tokens
     comm = 0.0
