@@ -103,3 +103,31 @@ def bundled_hf_dir(python: str) -> Path:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return final
+
+
+class ServesHFDirectories:
+    """What vLLM and SGLang share as engines that read only HF checkpoint directories: with no --model they serve
+    the bundled model's checked copy (made in the engine's own Python, `self.python`), and they tokenize a
+    directory's tokenizer.json, so outputs are compared token by token."""
+    python: str
+
+    def default_model(self) -> str | None:
+        return str(bundled_hf_dir(self.python))
+
+    def model_or_default(self, model: str | None) -> str | None:
+        """The model a launch loads: the one given, else the bundled copy where the engine is installed."""
+        return model or (self.default_model() if self.installed() else None)
+
+    def preset_model(self, preset, hub_repo, given):
+        from autotune.embedded.bundled import BUNDLED_PRESET
+
+        return self.default_model() if preset == BUNDLED_PRESET and self.installed() else hub_repo or given
+
+    def tokenizer(self, model):
+        """An HF directory's tokenizer.json (the bundled model's copy when none is given)."""
+        from autotune.embedded.tokenizer import tokenizer_from_hf_dir
+
+        path = Path(model) if model else Path(self.default_model())
+        if not (path / "tokenizer.json").is_file():
+            return None
+        return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))

@@ -29,6 +29,7 @@ from autotune.engines.base import (
     schedule_departures,
 )
 from autotune.engines.facts import EngineFacts
+from autotune.engines.hf_model import ServesHFDirectories
 from autotune.predict.knobs import Knobs, make_knobs, settings
 
 # NEXTN is an alias of EAGLE (for models that carry their own MTP layers, e.g. DeepSeek-V3).
@@ -124,9 +125,10 @@ def spec_decode_graph_sizes(max_bs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
-class SGLangAdapter(EngineAdapter):
+class SGLangAdapter(ServesHFDirectories, EngineAdapter):
     name = "sglang"
-    entry = (sys.executable, "-m", "sglang.launch_server")
+    python = sys.executable
+    entry = (python, "-m", "sglang.launch_server")
     facts = EngineFacts(
         default_port=30000,
         image="lmsysorg/sglang:v{version}",
@@ -160,21 +162,12 @@ class SGLangAdapter(EngineAdapter):
     def health_url(self, base_url):
         return base_url.rstrip("/") + "/health_generate"
 
-    def default_model(self) -> str | None:
-        from autotune.engines.hf_model import bundled_hf_dir
-
-        return str(bundled_hf_dir(sys.executable))
-
-    def preset_model(self, preset, hub_repo, given):
-        from autotune.embedded.bundled import BUNDLED_PRESET
-
-        return self.default_model() if preset == BUNDLED_PRESET and self.installed() else hub_repo or given
 
     def bundle_drops(self, cuda):
         return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
-        config = dict(config)
+        config, model = dict(config), self.model_or_default(model)
         # a local checkpoint needs no hub: offline (the H200), a hub look-up fails or waits (sglang 0.5.17 also asks
         # the hub for its FA3 kernels, kernels/ops/attention/flash_attention_v3.py, and falls back to sgl-kernel's)
         env = {"HF_HUB_OFFLINE": "1"} if model and Path(model).is_dir() else {}

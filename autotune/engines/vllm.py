@@ -22,7 +22,6 @@ The CPU build's `vllm` command is broken (it looks up a distribution named "vllm
 `python -m vllm.entrypoints.openai.api_server`, which takes the same flags.
 """
 import copy
-import json
 import os
 import sys
 from dataclasses import replace
@@ -36,6 +35,7 @@ from autotune.engines.base import (
     load_schema,
 )
 from autotune.engines.facts import EngineFacts
+from autotune.engines.hf_model import ServesHFDirectories
 from autotune.hardware.gather import engine_python, engine_python_env, python_engine_version
 from autotune.predict.knobs import Knobs, make_knobs, settings
 
@@ -110,7 +110,7 @@ CPU_FACTS = replace(GPU_FACTS, image=f"vllm/vllm-openai:v{SCHEMA_VERSIONS[-1]}",
                     finish_validation={"top": 2, "repeats": 2, "max_repeats": 3})
 
 
-class VLLMAdapter(EngineAdapter):
+class VLLMAdapter(ServesHFDirectories, EngineAdapter):
     name = "vllm"
 
     # the kind of machine the commands are for, where it is another or not this one's build (for_target); None: this one
@@ -177,25 +177,6 @@ class VLLMAdapter(EngineAdapter):
         return ("vLLM not found: bash setup.sh vllm (installs it into a venv of its own), or --engine-binary PATH of "
                 "a Python that has vLLM; --engine embedded runs anywhere")
 
-    def default_model(self) -> str | None:
-        from autotune.engines.hf_model import bundled_hf_dir
-
-        return str(bundled_hf_dir(self.python))
-
-    def preset_model(self, preset, hub_repo, given):
-        from autotune.embedded.bundled import BUNDLED_PRESET
-
-        return self.default_model() if preset == BUNDLED_PRESET and self.installed() else hub_repo or given
-
-    def tokenizer(self, model):
-        """An HF directory's tokenizer.json (the bundled model's copy when none is given)."""
-        from autotune.embedded.tokenizer import tokenizer_from_hf_dir
-
-        path = Path(model) if model else Path(self.default_model())
-        if not (path / "tokenizer.json").is_file():
-            return None
-        return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
-
     def parser_verdicts(self, arg_lists):
         """vLLM's own parser and config checks, run in its own Python."""
         return engine_parser_verdicts(self.name, arg_lists, python=self.python) if self.installed() else None
@@ -246,7 +227,7 @@ class VLLMAdapter(EngineAdapter):
         if spec is not None:
             flags["speculative_config"] = spec
         args = config_args(flags, load_schema(self.name, self.version))
-        model = model or (self.default_model() if self.installed() else None)
+        model = self.model_or_default(model)
         head = (["--model", model] if model else []) + ["--host", host, "--port", str(port)]
         return [*self.entry, *head, *args, *extra_args], self.environment(config, model)
 

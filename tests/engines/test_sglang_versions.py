@@ -7,6 +7,7 @@ import pytest
 
 from autotune.engines import get_adapter
 from autotune.engines.base import SCHEMA_DIR, config_args, load_schema, schema_errors
+from autotune.engines.hf_model import bundled_hf_dir
 from autotune.engines.sglang import NEVER_IMPORTED, SCHEMA_VERSIONS, schema_version
 from autotune.space import load_space
 
@@ -107,6 +108,19 @@ def test_a_local_checkpoint_launches_offline(tmp_path):
     assert env == {"HF_HUB_OFFLINE": "1"}
     _, env = adapter.command({"quantization": "w8a16_fp8"}, model="org/hub-model", draft_model=None, host="h", port=1)
     assert env == {"SGLANG_FORCE_FP8_MARLIN": "1"}
+
+
+def test_with_no_model_given_the_bundled_models_checked_hf_copy_is_served():
+    """`autotune run --engine sglang` with no --model (on the H200 SGLang was launched without --model-path, so
+    every trial crashed) serves the bundled model's copy, as vLLM does, and reads its tokenizer."""
+    adapter = adapter_at("0.5.17")
+    adapter.installed = lambda: True  # SGLang runs only on a GPU: what is tested is the command built for it
+    argv, env = adapter.command({}, model=None, draft_model=None, host="127.0.0.1", port=1)
+    copy = str(bundled_hf_dir(adapter.python))
+    assert argv[argv.index("--model-path") + 1] == copy and env == {"HF_HUB_OFFLINE": "1"}
+    assert adapter.preset_model("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m") == copy
+    assert adapter.tokenizer(None).encode("The capital of France is") == adapter.tokenizer(copy).encode(
+        "The capital of France is") != []
 
 
 def test_readiness_acceptance_and_bundle_drops():
