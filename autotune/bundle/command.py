@@ -112,8 +112,9 @@ def bundle(
         installed = read_freeze(target_freeze)
         _version_pair("--python", python)
         target = Target(python, machine, _version_pair("--glibc", glibc), installed)
-        drops = get_adapter(engine).bundle_drops(cuda)
-        resolver = Resolver(Index(), target, drops)
+        adapter = get_adapter(engine)
+        drops, adds = adapter.bundle_drops(cuda), adapter.bundle_adds()
+        resolver = Resolver(Index(), target, drops, adds)
         res = resolver.resolve(resolver.engine_release(engine, torch.split("+")[0], cuda))
     except (OSError, ValueError, IndexError_, ResolveError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -150,6 +151,7 @@ def bundle(
     record["packed"] = {name: {"carried": p.path.name, "bytes": p.path.stat().st_size,
                                "stored_sha256": p.stored_sha256} for name, p in sorted(packed.items())}
     record["carried_bytes"] = sum(p.size for p in parts)
+    record["added"] = [{"requirement": r, "why": why} for r, why in sorted(adds.items())]
     (out / "manifest.json").write_text(json.dumps(record, indent=1) + "\n")
     typer.echo(f"{len(packed)} wheels packed: {sum(w.size for w in wheels) / 1e6:.0f} MB travel as "
                f"{record['carried_bytes'] / 1e6:.0f} MB")

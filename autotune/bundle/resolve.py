@@ -71,8 +71,11 @@ def cuda_majors(requirements: list[Requirement]) -> set[int]:
 
 
 class Resolver:
-    def __init__(self, index: Index, target: Target, drop: dict[str, str] | None = None):
+    def __init__(self, index: Index, target: Target, drop: dict[str, str] | None = None,
+                 add: dict[str, str] | None = None):
+        """drop: distributions left out, with why; add: requirements taken as the engine's own, with why."""
         self.index, self.target, self.drop = index, target, {canonicalize_name(n): w for n, w in (drop or {}).items()}
+        self.add = [Requirement(r) for r in (add or {})]
         self.rank = {tag: i for i, tag in enumerate(target.tags())}
         self._python_checked: dict[str | None, bool] = {}
 
@@ -147,7 +150,7 @@ class Resolver:
         extras: dict[str, set[str]] = {}
         named_by: dict[str, list[tuple[str | None, Version | None, Requirement]]] = {}
         queue: deque[tuple[Requirement, str | None, Version | None]] = deque(
-            (r, None, None) for r in self.requirements(engine, set()))  # parent None: the engine itself
+            (r, None, None) for r in [*self.requirements(engine, set()), *self.add])  # parent None: the engine
         while queue:
             req, parent, parent_version = queue.popleft()
             name = canonicalize_name(req.name)

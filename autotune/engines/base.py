@@ -375,6 +375,11 @@ class EngineAdapter:
         of CUDA major `cuda`, each with why (they are left out of an offline bundle)."""
         return {}
 
+    def bundle_adds(self) -> dict[str, str]:
+        """`autotune bundle`: requirements (PEP 508) the server imports that the engine's own requirements name only
+        through a distribution `bundle_drops` leaves out, each with why (they are added to the engine's)."""
+        return {}
+
     def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None:
         """What the engine is told to load for a model preset (`given` is its name, not a path): the
         preset's Hugging Face repo where it names one."""

@@ -94,6 +94,14 @@ NEVER_IMPORTED = {
     "anthropic": "only sglang/lang/backend/anthropic.py (the frontend language's client of Anthropic's API)",
     "outlines": "only srt/constrained/outlines_*.py (--grammar-backend outlines; xgrammar is the default)",
 }
+# Imported as a text server starts, yet named by sglang 0.5.17's requirements only through what NEVER_IMPORTED leaves
+# out (found on the H200: the first launch from the bundle stopped at each).
+UNDECLARED_IMPORTS = {
+    "dill": "srt/sampling/custom_logit_processor.py, imported at start through configs/deepseek_ocr.py; named only "
+            "by datasets",
+    "jsonschema": "srt/entrypoints/openai/serving_chat.py, imported by http_server.py; named only by mistral-common "
+                  "and outlines",
+}
 CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
                                                "driver supports: cu13 on a CUDA 13 driver"}
 
@@ -165,6 +173,9 @@ class SGLangAdapter(ServesHFDirectories, EngineAdapter):
 
     def bundle_drops(self, cuda):
         return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
+
+    def bundle_adds(self):
+        return UNDECLARED_IMPORTS
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, model = dict(config), self.model_or_default(model)

@@ -14,6 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag
+from packaging.version import Version
 
 from autotune.bundle.command import lay_out
 from autotune.bundle.download import fetch_all, sha256_of
@@ -86,6 +87,18 @@ def test_resolution_against_pypi_for_a_freeze():
         for why in pick.required_by:
             req = Requirement(why.split(": ", 1)[1])
             assert req.specifier.contains(pick.wheel.version, prereleases=True), (pick.wheel.filename, why)
+
+
+def test_an_added_requirement_survives_the_drop_of_the_only_package_that_named_it():
+    """As sglang's server imports dill and jsonschema that only dropped packages require: h11 is named only by
+    httpcore; with httpcore dropped it goes too, unless added, and then it is resolved as the engine's own."""
+    target = Target(TARGET_PY)
+    root = Resolver(_index(), target).best_wheel("httpx", SpecifierSet("==0.27.0"))
+    dropped = Resolver(_index(), target, {"httpcore": "not imported"}).resolve(root)
+    assert "httpcore" in dropped.dropped and "h11" not in dropped.picks
+    added = Resolver(_index(), target, {"httpcore": "not imported"}, {"h11>=0.14": "imported"}).resolve(root)
+    assert "httpcore" not in added.picks and added.picks["h11"].wheel.version >= Version("0.14")
+    assert added.picks["h11"].required_by == ("httpx 0.27.0: h11>=0.14",)
 
 
 def test_engine_release_matches_the_targets_torch_and_cuda():
