@@ -3,6 +3,7 @@ values) -> `build(opts)` -> `Plan` (engine adapter, space, hardware, workload, S
 Bad input stops here with a one-line ValueError, leaving an existing study.db as it was."""
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -85,6 +86,17 @@ def parse_duration(text: str) -> float:
     return h * 3600 + m * 60 + sec
 
 
+MIN_DEFAULT_REQUESTS = 8  # a benchmark's least requests where none are asked for: percentiles of a few at least
+
+
+def default_requests(load, concurrency: int) -> int:
+    """Requests a benchmark asks for at a concurrency the user chose: the engine's default load per stream (SGLang's
+    128 requests at concurrency 32: 4), at least MIN_DEFAULT_REQUESTS. A floor the benchmark's sizing raises to
+    --min-measure seconds; the engine's whole default at concurrency 1 kept one H200 trial measuring 41 s."""
+    per_stream = load["num_requests"] / load["concurrency"]
+    return max(MIN_DEFAULT_REQUESTS, math.ceil(per_stream * concurrency))
+
+
 def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOptions:
     """RunOptions from the command line's values, with the defaults that depend on other flags."""
     if resume and not study:
@@ -93,7 +105,10 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
         raise ValueError(f"--min-measure {rest['min_measure_s']:g}: expected seconds >= 0")
     adapter = get_adapter(engine)  # raises for an unknown engine
     budget_s = parse_duration(budget) if budget else adapter.facts.default_budget_s
-    for name, value in adapter.facts.default_load.items():
+    load = adapter.facts.default_load
+    if rest.get("num_requests") is None and rest.get("concurrency") is not None:
+        rest["num_requests"] = default_requests(load, rest["concurrency"])
+    for name, value in load.items():
         if rest.get(name) is None:
             rest[name] = value
     return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,

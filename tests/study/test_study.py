@@ -461,6 +461,20 @@ def test_a_benchmark_is_sized_to_last_its_least_length_at_the_pace_its_wave_show
     assert sized_load(8, None, 4, 4) == sized_load(8, 0.6, 4, 4, min_s=0.0) == 8
 
 
+def test_the_default_requests_follow_the_concurrency_the_user_chose():
+    """SGLang's default load is 128 requests at concurrency 32; at --concurrency 1 the H200 run kept all 128 as the
+    benchmark's floor (41 s a trial, one trial in a 3-minute budget). Per stream now, never under 8; what the
+    user asks for stays."""
+    def opts(engine, **given):
+        return plan.options_from_cli(engine=engine, budget=None, trials=None, resume=False, study=None, **given)
+    assert opts("sglang", concurrency=None).num_requests == 128 and opts("sglang", concurrency=None).concurrency == 32
+    assert opts("sglang", concurrency=1).num_requests == plan.MIN_DEFAULT_REQUESTS == 8
+    assert opts("sglang", concurrency=64).num_requests == 256
+    assert opts("sglang", concurrency=1, num_requests=3).num_requests == 3
+    assert opts("embedded", concurrency=1).num_requests == opts("embedded", concurrency=4).num_requests == 8
+    assert opts("embedded", concurrency=8).num_requests == 16
+
+
 @pytest.mark.slow
 def test_a_trial_measures_the_requests_that_fill_its_least_length(studies):
     """The full benchmark sends what the quick wave's pace says fills min_measure_s (here 6 s from 2 asked
