@@ -6,6 +6,7 @@ from autotune import pipeline
 from autotune.validate.record import Validation
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-2026-12-01c"
+SGLANG = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-2026-12-05" / "sglang"
 
 
 def closing(doc: Validation, tmp_path) -> str:
@@ -29,3 +30,15 @@ def test_a_winner_that_changes_settings_states_its_gain_over_the_defaults(tmp_pa
     doc.winner.gain_over_baseline = 1.71
     text = closing(doc, tmp_path)
     assert f"exported: trial {doc.winner.trial} (drafter=ngram)" in text and "1.71x the engine defaults" in text
+
+
+def test_sglangs_none_and_an_unset_flag_are_the_same_defaults(tmp_path):
+    """The H200's SGLang run: its winner, the defaults trial, says speculative_algorithm "none" (the space's word
+    for the flag left out) where the baseline says null; it claimed '1.00x the engine defaults' as a gain."""
+    doc = Validation.model_validate(json.loads((SGLANG / "validation-c1.json").read_text()))
+    assert doc.winner.config["speculative_algorithm"] == "none" and doc.baseline.config["speculative_algorithm"] is None
+    assert doc.winner_changes() == []
+    text = closing(doc, tmp_path)
+    assert f"exported: trial {doc.winner.trial} (the engine defaults)" in text and "x the engine defaults" not in text
+    doc.winner.config = {**doc.winner.config, "speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 12}
+    assert doc.winner_changes() == ["speculative_algorithm=NGRAM", "speculative_num_draft_tokens=12"]

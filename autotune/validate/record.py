@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, field_serializer, model_validator
 
+from autotune.engines import get_adapter
+
 ReasonKind = Literal[
     "launch_failed",  # the server did not start
     "server_exited",  # the server died during a repeat
@@ -163,7 +165,12 @@ class Validation(BaseModel):
         return next((c for c in self.candidates if c.trial == trial), None)
 
     def winner_changes(self) -> list[str]:
-        """The winner's settings that differ from the baseline's (the engine defaults with the user's pins) as
-        key=value; empty when the winner is the baseline's configuration (its gain over it is then noise)."""
-        base = self.baseline.config
-        return [f"{k}={v}" for k, v in (self.winner.config if self.winner else {}).items() if base.get(k) != v]
+        """The winner's settings that make the engine run otherwise than the baseline (the engine defaults with the
+        user's pins) as key=value; empty when the engine runs the baseline's configuration (its gain over it is
+        then noise). Compared as the engine runs them: SGLang's "none" and an unset flag are one setting."""
+        if self.winner is None:
+            return []
+        adapter = get_adapter(self.engine)
+        mine, base = adapter.effective(self.winner.config), adapter.effective(self.baseline.config)
+        return [f"{k}={self.winner.config.get(k)}" for k in [*self.winner.config, *sorted(set(base) - set(self.winner.config))]
+                if mine.get(k) != base.get(k)]
