@@ -96,10 +96,11 @@ def finish(study: str | Path, storage: str | None = None, *, run_options=None,
 
     def fit_estimator():
         passes["run"] = prices is None or budget.left() >= passes_s + REPORT_S
+        fitted = fit_from_study(ctx.directory, stop_rule=passes["run"])  # a study it cannot fit says why, alone
         if not passes["run"]:
             out["problems"].append(f"estimator: fitted on the study's rows alone; its traced pass and evaluation "
                                    f"(~{passes_s:.0f} s) did not fit in what was left of the budget ({budget.left():.0f} s)")
-        return fit_from_study(ctx.directory, stop_rule=passes["run"])
+        return fitted
 
     def evaluate_estimator():
         return evaluate_for_study(out["estimator"]) if out["estimator"] and passes["run"] else None
