@@ -11,13 +11,16 @@
 #          bash benchmarks/gpu_sglang.sh install                      # install.sh, then the extra wheels
 #          bash benchmarks/gpu_sglang.sh smoke                        # the defaults launched, one request
 #          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
+#          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
+#          bash benchmarks/gpu_sglang.sh compare C                    # the winners relaunched, alternated
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
+# Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=~/g
 export PYTHONPATH=$site:$here PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?put, install, smoke, tune or status}
+step=${1:?put, install, smoke, tune, compare or status}
 shift
 case $step in
   put)
@@ -34,6 +37,7 @@ case $step in
     python3 -c "import sglang, sgl_kernel, flashinfer, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
     python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
   smoke)
+    set -o pipefail
     model=$(python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))")
     echo "model: $model"
     python3 -m sglang.launch_server --model-path "$model" --host 127.0.0.1 --port 30000 > ~/smoke.log 2>&1 &
@@ -50,11 +54,16 @@ case $step in
     grep -E "attention backend|Capture cuda graph|max_total_num_tokens" ~/smoke.log | head -5 ;;
   tune)
     mkdir -p $out
+    engine=${ENGINE:-sglang}
     for c in "$@"; do
-      python3 "$here/benchmarks/bench_gpu_tuner.py" tuner --out $out --engine sglang --concurrency "$c" \
-        --budget "${BUDGET:-5m}" --as-user > $out/tuner-sglang-c$c.log 2>&1 || echo "c=$c: exit $?" >> $out/failed
+      python3 "$here/benchmarks/bench_gpu_tuner.py" tuner --out $out --engine "$engine" --concurrency "$c" \
+        --budget "${BUDGET:-5m}" --as-user > "$out/tuner-$engine-c$c.log" 2>&1 || echo "$engine c=$c: exit $?" >> $out/failed
     done
-    touch $out/done ;;
+    touch "$out/done-$engine" ;;
+  compare)
+    c=${1:?concurrency}
+    python3 "$here/benchmarks/bench_exported.py" "$out/studies/tuner-sglang-c$c" "$out/studies/tuner-c$c" \
+      --concurrency "$c" --out "$out/compare-c$c.json" ;;
   status)
     ls $out 2>/dev/null; tail -5 $out/*.log 2>/dev/null || true
     [ -z "${OUT:-}" ] || tar czf "$OUT/sglang-g.tgz" -C ~ g --exclude='*.safetensors' 2>/dev/null || true ;;
