@@ -89,7 +89,8 @@ NEVER_IMPORTED = {
                       "of compute capability 10 (Blackwell) that platforms/cuda.py and mla/prefill/selector.py offer "
                       "only there; brings tokenspeed-triton, 95 MB",
     "tilelang": "only model_executor/kernels/mhc/tilelang_kernels.py (manifold hyper-connections), reached only from "
-                "models/deepseek_v4, whose smallest release outweighs one Hopper GPU; brings z3-solver",
+                "models/deepseek_v4, whose smallest release (V4-Flash, 284B parameters) outweighs one Hopper GPU; brings "
+                "z3-solver",
     "pynvvideocodec": "only a lazy import in multimodal/video.py, decode_frames_pynvvideocodec (GPU decoding of a "
                       "video input)",
     "anthropic": "no module imports it: entrypoints/anthropic is vLLM's own /v1/messages protocol",
