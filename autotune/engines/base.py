@@ -220,6 +220,12 @@ class ScheduleRendering:
         return written
 
 
+# What `autotune bundle` leaves out for a CUDA 13 target of any engine that needs cutlass-dsl (SGLang's and vLLM's
+# pins alike): its CUDA 12 flavor.
+CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
+                                               "driver supports: cu13 on a CUDA 13 driver"}
+
+
 class EngineAdapter:
     """What all engine adapters share; each engine's own behaviour (command, check, effective, knobs, schedule_args;
     autotune/engines/protocol.py) is its subclass's, and what it is as data is its `facts` (an EngineFacts, read as

@@ -22,6 +22,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from autotune.engines.base import (
+    CUDA12_ONLY,
     EngineAdapter,
     ScheduleRendering,
     config_args,
@@ -102,8 +103,6 @@ UNDECLARED_IMPORTS = {
     "jsonschema": "srt/entrypoints/openai/serving_chat.py, imported by http_server.py; named only by mistral-common "
                   "and outlines",
 }
-CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
-                                               "driver supports: cu13 on a CUDA 13 driver"}
 
 
 def schema_version(installed: str | None) -> str:

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.engines.base import (
+    CUDA12_ONLY,
     EngineAdapter,
     ScheduleRendering,
     config_args,
@@ -98,8 +99,6 @@ NEVER_IMPORTED = {
            "--tool-server URLs) and a TYPE_CHECKING import in entrypoints/openai/responses/context.py; brings pyjwt "
            "and cryptography",
 }
-CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
-                                               "driver supports: cu13 on a CUDA 13 driver"}
 
 
 GPU_FACTS = EngineFacts(
