@@ -482,8 +482,12 @@ def test_validation_files_of_earlier_versions_load_and_are_written_back_as_they_
         return [without_kinds(v) for v in x] if isinstance(x, list) else x
 
     for path in paths:
-        doc = Validation.load(path)
-        assert without_kinds(json.loads(json.dumps(doc.dump(), default=str))) == json.loads(path.read_text()), path
+        doc, text = Validation.load(path), path.read_text()
+        written = json.loads(json.dumps(doc.dump(), default=str))
+        if "reason_kinds" in text:  # a file of this version (the H200 SGLang run's): written back exactly
+            assert written == json.loads(text), path
+            continue
+        assert without_kinds(written) == json.loads(text), path
         assert all(r.kind == "unknown" for c in doc.candidates for r in c.reasons)
 
 
