@@ -218,8 +218,7 @@ def run(
         "--set", metavar="NAME=VALUE", help="name=value | name=a,b | name=low..high (default: none)")] = None,
     space: str = typer.Option(None, help="a space YAML or a narrowing file (default: the engine's space)"),
     concurrency: int = typer.Option(None, help="requests in flight per benchmark (default: the engine's load)"),
-    num_requests: int = typer.Option(None, help="requests per benchmark, at least (default: the engine's load; "
-                                                "with --concurrency, its requests per stream, at least 8)"),
+    num_requests: int = typer.Option(None, help="least requests per benchmark (default: the engine's, per stream)"),
     max_tokens: int = typer.Option(None, help="output tokens per request at most (default: the engine's load)"),
     min_measure: float = typer.Option(10.0, help="min seconds a benchmark lasts (0: as asked)"),
     load_profile: str = typer.Option(None, help='every benchmark runs these phases, e.g. "ramp" or "1:20s,4:20s"; '

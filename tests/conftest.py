@@ -8,10 +8,12 @@
                          it answers /health: (process, base URL); its process group is stopped on exit
 """
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,9 +130,15 @@ def start_embedded_server():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer model with the bundled tokenizer: compiling it takes seconds, not minutes."""
-    from test_embedded_model import write_tiny_checkpoint
-
     from autotune.embedded.weights import load_model
+
+    # by its path: pytest puts tests/embedded on sys.path only once it collects that folder (a run of
+    # tests/study alone did not)
+    spec = importlib.util.spec_from_file_location("tiny_checkpoints", Path(__file__).parent / "embedded" /
+                                                  "test_embedded_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    write_tiny_checkpoint = module.write_tiny_checkpoint
 
     directory = tmp_path_factory.mktemp("tiny")
     write_tiny_checkpoint(directory, "llama", load_model().tokenizer)
