@@ -43,12 +43,6 @@ def compress(path: Path, out: Path) -> Path:
     return out
 
 
-def decompress(path: Path, out: Path) -> Path:
-    with path.open("rb") as src, out.open("wb") as dst:
-        zstandard.ZstdDecompressor(max_window_size=1 << 31).copy_stream(src, dst)
-    return out
-
-
 def pack(wheel: Path, folder: Path) -> Packed | None:
     """The wheel stored and compressed into `folder`, or None where that saves too little to be worth a step."""
     folder.mkdir(parents=True, exist_ok=True)

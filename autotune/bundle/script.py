@@ -1,5 +1,6 @@
-"""install.sh: reassemble the parts, decompress what travelled compressed, check every sha256, install the wheels with pip (no index, no dependency
-resolution: the bundle is the resolution), then check the requirements the bundle left to the machine."""
+"""install.sh: reassemble the parts, decompress what travelled compressed, check every sha256, install the wheels
+with pip (no index, no dependency resolution: the bundle is the resolution), then check the requirements the
+bundle left to the machine."""
 import shlex
 from dataclasses import dataclass
 from pathlib import Path

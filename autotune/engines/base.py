@@ -220,8 +220,8 @@ class ScheduleRendering:
         return written
 
 
-# What `autotune bundle` leaves out for a CUDA 13 target of any engine that needs cutlass-dsl (SGLang's and vLLM's
-# pins alike): its CUDA 12 flavor.
+# What `autotune bundle` leaves out for a CUDA 13 target whatever the engine: cutlass-dsl's CUDA 12 flavor (SGLang's
+# and vLLM's pins name both; a distribution no requirement names is never fetched, so the entry is inert elsewhere).
 CUDA12_ONLY = {"nvidia-cutlass-dsl-libs-cu12": "cutlass/_mlir/_mlir_libs/__init__.py loads the newest CUDA flavor the "
                                                "driver supports: cu13 on a CUDA 13 driver"}
 
@@ -379,12 +379,12 @@ class EngineAdapter:
     def bundle_drops(self, cuda: int) -> dict[str, str]:
         """`autotune bundle`: distributions the engine's requirements name that its server never imports on a GPU
         of CUDA major `cuda`, each with why (they are left out of an offline bundle)."""
-        return {}
+        return {**self.facts.bundle_never_imported, **(CUDA12_ONLY if cuda >= 13 else {})}
 
     def bundle_adds(self) -> dict[str, str]:
         """`autotune bundle`: requirements (PEP 508) the server imports that the engine's own requirements name only
         through a distribution `bundle_drops` leaves out, each with why (they are added to the engine's)."""
-        return {}
+        return dict(self.facts.bundle_undeclared)
 
     def preset_model(self, preset: str, hub_repo: str | None, given: str) -> str | None:
         """What the engine is told to load for a model preset (`given` is its name, not a path): the

@@ -62,6 +62,10 @@ class EngineFacts:
     memory_pool: MemoryPool = "utilization"
     default_context_len: int = 4096
     graph_max_bs_default: int = 0
+    # autotune bundle: distributions the engine's requirements name that its server never imports on one Hopper
+    # GPU, and requirements (PEP 508) it imports that only those name, each with why.
+    bundle_never_imported: Mapping[str, str] = field(default_factory=dict)
+    bundle_undeclared: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         # a frozen record holds read-only mappings too: a reader that merges one into its own dict copies it

@@ -22,7 +22,6 @@ from pathlib import Path
 from packaging.version import Version
 
 from autotune.engines.base import (
-    CUDA12_ONLY,
     EngineAdapter,
     ScheduleRendering,
     config_args,
@@ -155,6 +154,8 @@ class SGLangAdapter(ServesHFDirectories, EngineAdapter):
         # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
         memory_pool="static_fraction",
         graph_max_bs_default=256,
+        bundle_never_imported=NEVER_IMPORTED,
+        bundle_undeclared=UNDECLARED_IMPORTS,
     )
 
     @functools.cached_property
@@ -168,13 +169,6 @@ class SGLangAdapter(ServesHFDirectories, EngineAdapter):
 
     def health_url(self, base_url):
         return base_url.rstrip("/") + "/health_generate"
-
-
-    def bundle_drops(self, cuda):
-        return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})
-
-    def bundle_adds(self):
-        return UNDECLARED_IMPORTS
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         config, model = dict(config), self.model_or_default(model)

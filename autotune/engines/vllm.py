@@ -28,7 +28,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.engines.base import (
-    CUDA12_ONLY,
     EngineAdapter,
     ScheduleRendering,
     config_args,
@@ -119,6 +118,7 @@ GPU_FACTS = EngineFacts(
     # cache gets what the weights, the profiled activation peak and the CUDA graphs leave.
     memory_pool="utilization",
     graph_max_bs_default=512,
+    bundle_never_imported=NEVER_IMPORTED,
 )
 # The CPU build: no image of its own (export names the newest release the data pins); a small load (a 2-core trial of
 # this is about half a minute; a launch is a minute eager, three or four compiled); a launch costs several benchmarks,
@@ -372,6 +372,3 @@ class VLLMAdapter(ServesHFDirectories, EngineAdapter):
 
     def default_batch_tokens(self, gpu_mib, tp):
         return next(tokens for floor, tokens in BATCH_TOKEN_BANDS if gpu_mib >= floor)
-
-    def bundle_drops(self, cuda):
-        return NEVER_IMPORTED | (CUDA12_ONLY if cuda >= 13 else {})

@@ -171,6 +171,7 @@ class Validation(BaseModel):
         if self.winner is None:
             return []
         adapter = get_adapter(self.engine)
-        mine, base = adapter.effective(self.winner.config), adapter.effective(self.baseline.config)
-        return [f"{k}={self.winner.config.get(k)}" for k in [*self.winner.config, *sorted(set(base) - set(self.winner.config))]
-                if mine.get(k) != base.get(k)]
+        config = self.winner.config
+        mine, base = adapter.effective(config), adapter.effective(self.baseline.config)
+        keys = [*config, *sorted(set(base) - set(config))]
+        return [f"{k}={config.get(k)}" for k in keys if mine.get(k) != base.get(k)]
