@@ -168,6 +168,9 @@ MOE_FIXED_S = 22.8e-6
 # A100-80GB Llama-2-7B int8wo 1131.18 / 1418.93 = 0.80, int4wo-64 751.42 / 1418.93 = 0.53; H100 Llama-3.1-8B
 # int8wo 1495.41 / 1904.75 = 0.79, int4wo-64 1019.14 / 1904.75 = 0.54. Marlin's AWQ/GPTQ kernels stay near the
 # ideal at batch 1 (MARLIN, arXiv:2408.11743: within ~5 % of the 3.87x ideal up to batch 16-32): not listed.
+# Routed experts quantized the same way pay both shares, the fused-MoE kernel's times the dequantizing one's: their
+# GEMVs dequantize as a dense one does (gpt-fast's mixtral-moe/quantize.py, ConditionalFeedForwardBit8:
+# `self.w1.to(x.dtype)[expert_indices]`, then its scales; fused_moe's use_int8_w8a16 path in vLLM and SGLang).
 WEIGHT_ONLY_BANDWIDTH_SHARE = {"int8": 0.79, "int4": 0.53}
 
 
@@ -191,15 +194,16 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     `moe_layers` of the `layers` run experts (MOE_EXTRA_KERNELS more each). On a GPU, of `weight_bytes` the
     routed experts' `routed_bytes` are read at the fused-MoE kernel's share of the bandwidth (plus its fixed
     time), and the linear layers' `linear_bytes` at a weight-only quantized GEMV's, relative to a dense
-    GEMV's (Coefficients.mem_scale)."""
+    GEMV's (Coefficients.mem_scale); weight-only quantized experts at the product of both shares."""
     bw, peak, link, latency = _hardware(profile, k)
     mem = weight_bytes + seqs * context * kv_per_token
     fixed = 0.0
     if profile is not None and profile.is_gpu:
         dense_share = 1 / Coefficients.mem_scale
-        mem += linear_bytes * (1 / WEIGHT_ONLY_BANDWIDTH_SHARE.get(k.quantization or "", 1.0) - 1)
+        weight_only = WEIGHT_ONLY_BANDWIDTH_SHARE.get(k.quantization or "", 1.0)
+        mem += linear_bytes * (1 / weight_only - 1)
         if routed_bytes:
-            mem += routed_bytes * (dense_share / MOE_BANDWIDTH_SHARE - 1)
+            mem += routed_bytes * (dense_share / (MOE_BANDWIDTH_SHARE * weight_only) - 1)
             fixed = moe_layers * MOE_FIXED_S
     flops = 2 * params * tokens + 4 * layers * attn_width * context * tokens
     comm = 0.0

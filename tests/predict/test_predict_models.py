@@ -17,6 +17,7 @@ from autotune.predict.speed import (
     MOE_BANDWIDTH_SHARE,
     MOE_EXTRA_KERNELS,
     MOE_FIXED_S,
+    WEIGHT_ONLY_BANDWIDTH_SHARE,
     Coefficients,
     draft_passes,
     target_pass,
@@ -138,6 +139,30 @@ def test_moe_decode_reads_the_experts_its_tokens_touch():
     assert moe_pass.kernels - dense_pass.kernels == 48 * (KERNELS_PER_LAYER + MOE_EXTRA_KERNELS) - 64 * KERNELS_PER_LAYER
     speed = predict_speed(qwen, {"tp_size": 1}, H100, 1, engine=SGLANG, concurrency=64)
     assert speed.single_tok_s > speed.per_stream_tok_s  # 64 streams read 15x the expert bytes of one
+
+
+def test_weight_only_int8_experts_pay_the_fused_moe_and_the_dequantizing_shares():
+    """Mixtral's int8 weight-only experts (gpt-fast's ConditionalFeedForwardBit8) stream at the fused-MoE kernel's
+    share times an int8 GEMV's (torchao's 0.79), not at the MoE share alone; the attention layers at the int8 share
+    alone; 16-bit experts at the MoE share alone."""
+    mixtral, a100 = load_model("mixtral-8x7b"), get_profile("a100-80gb-sxm4")
+    k = VLLM.knobs({"tensor_parallel_size": 1, "quantization": "int8"})
+    one_pass = target_pass(mixtral, k, a100, seqs=1, tokens=1, context=0, eager=False)
+    routed = 32 * 2 * 3 * 4096 * 14336  # 2 of 8 experts a layer, int8: a byte a weight
+    read = weights_read_bytes(mixtral, k, 1)
+    linear = 32 * mixtral.layer_params - mixtral.routed_params  # attention (and the router) at int8 too
+    dense = 1 / Coefficients.mem_scale
+    expected = (read + linear * (1 / WEIGHT_ONLY_BANDWIDTH_SHARE["int8"] - 1)
+                + routed * (dense / (MOE_BANDWIDTH_SHARE * WEIGHT_ONLY_BANDWIDTH_SHARE["int8"]) - 1))
+    assert one_pass.mem_s == pytest.approx(expected / (a100.memory_bandwidth_gbps * 1e9), rel=1e-6)
+    moe_share_alone = (read + linear * (1 / WEIGHT_ONLY_BANDWIDTH_SHARE["int8"] - 1)
+                       + routed * (dense / MOE_BANDWIDTH_SHARE - 1)) / (a100.memory_bandwidth_gbps * 1e9)
+    assert one_pass.mem_s > 1.2 * moe_share_alone
+    # bf16 experts keep the MoE share alone
+    plain = VLLM.knobs({"tensor_parallel_size": 1})
+    bf16 = target_pass(mixtral, plain, a100, seqs=1, tokens=1, context=0, eager=False)
+    assert bf16.mem_s * a100.memory_bandwidth_gbps * 1e9 == pytest.approx(
+        weights_read_bytes(mixtral, plain, 1) + 2 * routed * (dense / MOE_BANDWIDTH_SHARE - 1), rel=1e-6)
 
 
 def test_a_moe_models_mtp_draft_reads_the_experts_its_tokens_touch():
