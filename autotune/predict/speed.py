@@ -2,14 +2,15 @@
 and concurrency.
 
 A decode step is a list of forward passes (the target's verify pass, the drafter's passes). Each pass
-takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, kernels * kernel_s)
-        + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
+takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, heavy kernels * kernel_s)
+        + light kernels * kernel_s (under a CUDA graph) + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
         + spec_step_s (once per speculative step: proposing, acceptance, the host waiting on the GPU)
 Bytes: the weights once per pass (memory.weights_read_bytes) plus every sequence's KV cache; FLOPs:
 2 x parameters x tokens plus attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer
 (or the Knobs' layer_kernels where the engine runs a layer op by op) and HEAD_KERNELS per
 pass. Even under a CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a
-small model is bound by its kernel count, not its bytes; an eager pass (no graphs, or a batch above the
+small model is bound by its kernel count, not its bytes, and the kernels that move next to no bytes (norms, rope,
+activation, sampling: the light ones) add their floor after the GEMMs' bandwidth time; an eager pass (no graphs, or a batch above the
 largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
 layer of tokens x hidden activations (the custom all-reduce's published times on an NVSwitch board; else a ring:
 2(n-1)/n of the message over the link, plus a latency). A
@@ -46,6 +47,12 @@ from autotune.predict.models import ModelSpec
 # the head: final norm, lm_head GEMM, sampling, and the step's small copies.
 KERNELS_PER_LAYER = 12
 HEAD_KERNELS = 4
+# Of those, the ones that carry a layer's bytes: its four GEMMs (qkv, o, gate/up, down) and attention (the KV cache);
+# the head's one is its GEMM. The others read and write a token's activations, next to nothing, so each takes a
+# kernel's floor; kernels of one stream run one after another (a graph replays them in order), so those floors
+# add to the GEMMs' bandwidth time instead of hiding under it (NVIDIA, "Getting Started with CUDA Graphs",
+# https://developer.nvidia.com/blog/cuda-graphs/: a 2.9 us kernel takes 3.4 us of the stream's time in a graph).
+HEAVY_LAYER_KERNELS = 5
 # Per-kernel cost where the profile has no kernel_us (CPU): assumed, replaced by calibration.
 CPU_KERNEL_S, CPU_LAUNCH_S = 1e-6, 200e-6 / KERNELS_PER_LAYER
 
@@ -102,9 +109,11 @@ class Pass:
     steps: int = 1  # scheduler steps it closes (the verify pass 1; a draft pass 0: it runs inside the step)
     spec_steps: int = 0  # speculative steps it closes (the verify pass of a drafting config: 1)
     fixed_s: float = 0.0  # time that does not scale with the hardware's rates (the fused-MoE kernels' fixed part)
+    light_kernels: int = 0  # of `kernels`, those that move next to no bytes: each adds its floor after the rest
 
     def seconds(self, c: Coefficients) -> float:
-        return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s, c.kernel_s * self.kernels)
+        return (max(c.mem_scale * self.mem_s, c.compute_scale * self.compute_s,
+                    c.kernel_s * (self.kernels - self.light_kernels)) + c.kernel_s * self.light_kernels
                 + self.comm_s + self.fixed_s + c.step_overhead_s * self.steps
                 + (c.launch_s * self.kernels if self.eager else 0.0) + c.spec_step_s * self.spec_steps)
 
@@ -211,7 +220,12 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * all_reduce_s(message, k.tp, profile, link, latency)
     kernels = layers * (k.layer_kernels or KERNELS_PER_LAYER) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
-    return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed)
+    # under a CUDA graph the light kernels' floors come after the bytes' time (the MoE layers' extra kernels are in
+    # MOE_FIXED_S); eager, each kernel's launch (launch_s, longer than a floor) already runs one after another, and
+    # a light kernel runs while the host launches the next; a CPU's per-op cost is calibration's
+    light = (layers * ((k.layer_kernels or KERNELS_PER_LAYER) - HEAVY_LAYER_KERNELS) + HEAD_KERNELS - 1
+             if profile is not None and profile.is_gpu and not eager else 0)
+    return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed, light_kernels=light)
 
 
 def target_pass(model: ModelSpec, k: Knobs, profile, seqs: int, tokens: int, context: float, eager: bool) -> Pass:
