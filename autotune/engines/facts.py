@@ -62,6 +62,10 @@ class EngineFacts:
     memory_pool: MemoryPool = "utilization"
     default_context_len: int = 4096
     graph_max_bs_default: int = 0
+    # host time each speculative step costs on a GPU that the engine does not overlap with the GPU's work (building
+    # the draft tree, reading back and applying what was accepted), in place of the speed model's engine-neutral
+    # prior (autotune/predict/speed.py: Coefficients.spec_step_s); None: that prior.
+    spec_step_host_s: float | None = None
     # autotune bundle: distributions the engine's requirements name that its server never imports on one Hopper
     # GPU, and requirements (PEP 508) it imports that only those name, each with why.
     bundle_never_imported: Mapping[str, str] = field(default_factory=dict)

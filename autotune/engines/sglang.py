@@ -154,6 +154,12 @@ class SGLangAdapter(ServesHFDirectories, EngineAdapter):
         # activations, CUDA graphs and the CUDA context (model_runner.py, profile_max_num_token).
         memory_pool="static_fraction",
         graph_max_bs_default=256,
+        # A speculative step's host time beyond its passes: 0.5 ms (the speed model's prior) plus the median, 2.40 ms,
+        # of what 11 public SGLang EAGLE-3 runs at batch 1 measured beyond the predicted step at their published
+        # accept length (-2.3 to +5.8 ms; their plain steps within 0.4 ms): sgl-project/sglang issue #11948
+        # (A800 x2, Qwen3-8B), sgl-project/SpecForge issue #339 (H100 x2) and Tencent/AngelSlim issue #163 (H100 x4,
+        # both Qwen3-30B-A3B); benchmarks/results/predict-published-2026-12-05 has the table.
+        spec_step_host_s=2.9e-3,
         bundle_never_imported=NEVER_IMPORTED,
         bundle_undeclared=UNDECLARED_IMPORTS,
     )

@@ -116,7 +116,7 @@ class Calibration:
                 shape = drafter_acceptance(k.drafter, model.mtp_layers)
                 by_drafter.setdefault(k.drafter, []).append(scaled_to(float(t["accept_length"]), k, shape).alpha_1)
         alphas = {d: float(np.median(v)) for d, v in by_drafter.items()}
-        prior = default_coefficients(profile)
+        prior = default_coefficients(profile, engine)
         items = [trial_passes(t, model, profile, engine, alphas, draft) for t in trials]
         owner, cols = _arrays(items)
         tokens = np.array([tok for _, tok, _ in items])
@@ -148,7 +148,7 @@ class Calibration:
 def predict_trial(trial: dict, model: ModelSpec, profile, *, engine: Engine,
                   calibration: Calibration | None = None, draft: ModelSpec | None = None) -> float:
     """Predicted tok/s in the unit the trial measured (decode_tok_s if present, else output_tok_s)."""
-    coef = calibration.coefficients if calibration else default_coefficients(profile)
+    coef = calibration.coefficients if calibration else default_coefficients(profile, engine)
     passes, tokens, _ = trial_passes(trial, model, profile, engine, calibration.alphas if calibration else {}, draft)
     return tokens / sum(c * p.seconds(coef) for c, p in passes)
 

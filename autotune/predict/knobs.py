@@ -85,6 +85,7 @@ class EngineFacts(Protocol):
     default_context_len: int  # tokens one sequence must hold when the caller says nothing
     modelled: tuple[str, ...]  # config keys the model reads: what rank_configs enumerates
     default_port: int  # where its launch commands listen
+    spec_step_host_s: float | None  # host time a speculative step costs on a GPU (None: the speed model's prior)
 
 
 class Engine(Protocol):

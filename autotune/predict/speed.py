@@ -147,14 +147,17 @@ def _hardware(profile, k: Knobs) -> tuple[float, float, float, float]:
     return profile.memory_bandwidth_gbps * 1e9, peak, (link.get("bandwidth_gbps") or 32) * 1e9 / 2, latency
 
 
-def default_coefficients(profile) -> Coefficients:
-    """The priors: a GPU profile's kernel_us (graph floor and eager launch per kernel), else the CPU's."""
+def default_coefficients(profile, engine: Engine | None = None) -> Coefficients:
+    """The priors: a GPU profile's kernel_us (graph floor and eager launch per kernel) and the engine's host time
+    per speculative step where its facts give one, else the CPU's."""
     if profile is None or not profile.is_gpu:
         return CPU_COEFFICIENTS
     per_kernel = getattr(profile, "kernel_us", None) or {}
     prior = Coefficients()
+    host = engine.facts.spec_step_host_s if engine is not None else None
     return replace(prior, kernel_s=per_kernel.get("graph", prior.kernel_s * 1e6) * 1e-6,
-                   launch_s=per_kernel.get("eager", prior.launch_s * 1e6) * 1e-6)
+                   launch_s=per_kernel.get("eager", prior.launch_s * 1e6) * 1e-6,
+                   spec_step_s=prior.spec_step_s if host is None else host)
 
 
 # -- passes -----------------------------------------------------------------------------------------
@@ -296,7 +299,7 @@ def predict_speed(model: ModelSpec, config: dict, profile, num_gpus: int = 1, *,
     first rate the calibration's where measured: acceptance.drafter_acceptance);
     `max_sequences` caps the batch (the KV pool's sequences, from predict_memory)."""
     k = engine.knobs(config, bool(profile is not None and profile.is_gpu))
-    coef = calibration.coefficients if calibration is not None else default_coefficients(profile)
+    coef = calibration.coefficients if calibration is not None else default_coefficients(profile, engine)
     acc = None
     if k.drafter:
         measured = calibration.alphas.get(k.drafter) if calibration is not None else None

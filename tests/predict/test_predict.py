@@ -221,6 +221,29 @@ def test_light_kernels_add_their_floor_after_the_bytes_under_a_cuda_graph():
     assert target_pass(llama, VLLM.knobs({}, False), get_profile("cpu"), 1, 1, 512.0, eager=False).light_kernels == 0
 
 
+def test_a_speculative_step_pays_its_engines_host_time():
+    """SGLang's facts give the host time its speculative step costs beyond the passes (spec_step_host_s, from public
+    runs): its EAGLE-3 step is that much slower than the same passes at the engine-neutral prior, which vLLM (no such
+    fact) keeps; a plain step pays none; a CPU keeps its own coefficients."""
+    from autotune.predict.speed import CPU_COEFFICIENTS, decode_step, default_coefficients
+
+    llama = load_model("llama-3.1-8b")
+    eagle3 = {"tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
+              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    host = SGLANG.facts.spec_step_host_s
+    assert host is not None and host > Coefficients().spec_step_s and VLLM.facts.spec_step_host_s is None
+    assert default_coefficients(H100, SGLANG).spec_step_s == host
+    assert default_coefficients(H100, VLLM) == default_coefficients(H100)
+    assert default_coefficients(get_profile("cpu"), SGLANG) == CPU_COEFFICIENTS
+    passes = decode_step(llama, SGLANG.knobs(eagle3), H100, 1, 512.0)
+    neutral = sum(p.seconds(default_coefficients(H100)) for p in passes)
+    step = predict_speed(llama, eagle3, H100, 1, engine=SGLANG, context_len=512, alpha=0.7).step_ms * 1e-3
+    assert step - neutral == pytest.approx(host - Coefficients().spec_step_s)
+    plain = predict_speed(llama, {"tp_size": 1}, H100, 1, engine=SGLANG, context_len=512).step_ms * 1e-3
+    assert plain == pytest.approx(sum(p.seconds(default_coefficients(H100))
+                                      for p in decode_step(llama, SGLANG.knobs({"tp_size": 1}), H100, 1, 512.0)))
+
+
 def test_tp_all_reduce_takes_the_published_custom_all_reduce_times():
     # On an NVSwitch board an all-reduce takes the custom kernel's published time (sgl-project/sglang PR #2688 on
     # A100s, #2904 on H100s: speed.CUSTOM_ALL_REDUCE_US), not the ring formula's 8 us + 2(n-1)/n of the message over
