@@ -245,6 +245,8 @@ def run(
             concurrency=concurrency, num_requests=num_requests, max_tokens=max_tokens, min_measure_s=min_measure,
             gpu=gpu, seed=seed, studies_root=studies_dir,
             parallel=parallel, engine_binary=engine_binary, load_profile=load_profile, fit_schedule=fit_schedule)
+        if not plan_only:  # the first second shows a phase, however long probing and the model take
+            typer.echo(f"probing: this machine, {engine} and the model")
         the_plan = plan.build(opts)
         if plan_only:
             typer.echo("\n".join(plan.describe(the_plan, loop.planned_queue(the_plan))))

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def bundled_hf_dir(python: str) -> Path:
     if (final / CHECKED).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    print(f"making the bundled model's HF copy (once per machine; checked against the GGUF): {final}",
+          file=sys.stderr, flush=True)
     stage = Path(tempfile.mkdtemp(prefix=".stage-", dir=final.parent))
     try:
         write_hf_dir(bundled_gguf_path(), stage)
