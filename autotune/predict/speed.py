@@ -3,18 +3,18 @@ and concurrency.
 
 A decode step is a list of forward passes (the target's verify pass, the drafter's passes). Each pass
 takes   max(mem_scale * bytes / bandwidth, compute_scale * flops / peak, heavy kernels * kernel_s)
-        + light kernels * kernel_s (under a CUDA graph) + all-reduce + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
+        + light kernels * kernel_s (under a CUDA graph) + all-reduce
+        + step_overhead (once per step: scheduling, sampling) + kernels * launch_s (eager only)
         + spec_step_s (once per speculative step: proposing, acceptance, the host waiting on the GPU)
 Bytes: the weights once per pass (memory.weights_read_bytes) plus every sequence's KV cache; FLOPs:
 2 x parameters x tokens plus attention over the context. Kernels: KERNELS_PER_LAYER per decoder layer
 (or the Knobs' layer_kernels where the engine runs a layer op by op) and HEAD_KERNELS per
 pass. Even under a CUDA graph a kernel takes a few microseconds however little it does (kernel_s), so a
-small model is bound by its kernel count, not its bytes, and the kernels that move next to no bytes (norms, rope,
-activation, sampling: the light ones) add their floor after the GEMMs' bandwidth time; an eager pass (no graphs, or a batch above the
-largest captured one) also pays each kernel's launch from the host (launch_s). TP adds two all-reduces per
-layer of tokens x hidden activations (the custom all-reduce's published times on an NVSwitch board; else a ring:
-2(n-1)/n of the message over the link, plus a latency). A
-step yields E tokens per sequence: its drafted tokens accepted with a per-position rate by drafter family
+small model is bound by its kernel count, not its bytes, and the kernels that move next to no bytes (norms,
+rope, activation, sampling: the light ones) add their floor after the GEMMs' bandwidth time; an eager pass (no
+graphs, or a batch above the largest captured one) also pays each kernel's launch from the host (launch_s).
+TP adds two all-reduces per layer of tokens x hidden activations (the custom all-reduce's published times on an
+NVSwitch board; else a ring: 2(n-1)/n of the message over the link, plus a latency). A step yields E tokens per sequence: its drafted tokens accepted with a per-position rate by drafter family
 (autotune/predict/acceptance.py). The coefficients start at the priors below (kernel_s and launch_s from the hardware
 profile's kernel_us) and are fitted per machine by Calibration (autotune/predict/calibration.py).
 """
@@ -66,7 +66,8 @@ class Coefficients:
     launch_s: float = 8e-6  # one kernel's launch from eager PyTorch (hardware profile: kernel_us.eager)
     # host work a speculative step adds (proposing drafts, reading back how many were accepted before the
     # next step can start): no public figure; the order of a step's own overhead, a guess that
-    # calibration replaces from the study's first speculative trials
+    # calibration replaces from the study's first speculative trials (an engine's facts may give its own:
+    # EngineFacts.spec_step_host_s)
     spec_step_s: float = 0.5e-3
 
 
