@@ -14,7 +14,8 @@ small model is bound by its kernel count, not its bytes, and the kernels that mo
 rope, activation, sampling: the light ones) add their floor after the GEMMs' bandwidth time; an eager pass (no
 graphs, or a batch above the largest captured one) also pays each kernel's launch from the host (launch_s).
 TP adds two all-reduces per layer of tokens x hidden activations (the custom all-reduce's published times on an
-NVSwitch board; else a ring: 2(n-1)/n of the message over the link, plus a latency). A step yields E tokens per sequence: its drafted tokens accepted with a per-position rate by drafter family
+NVSwitch board; else a ring: 2(n-1)/n of the message over the link, plus a latency). A step yields E tokens
+per sequence: its drafted tokens accepted with a per-position rate by drafter family
 (autotune/predict/acceptance.py). The coefficients start at the priors below (kernel_s and launch_s from the hardware
 profile's kernel_us) and are fitted per machine by Calibration (autotune/predict/calibration.py).
 """
