@@ -4,23 +4,32 @@ A chain of k drafts: the i-th drafted token is accepted, given the ones before i
     alpha_i = alpha_1 * decay^(i - trained)   for i > trained, alpha_1 up to `trained`
 so a step yields E = 1 + sum_i prod_{j<=i} alpha_j tokens (the bonus token included). `trained` is 1 except for
 an MTP checkpoint with several MTP layers, each trained for its own position; a single layer reused for later
-positions decays (DeepSeek-V3's module: tau 1.875 at one draft, 3.20 at seven). A tree (SGLang topk > 1) offers
-m = min(topk, (draft_tokens - 1) / steps) candidates per level; a level misses when every candidate does, with
-probability (1 - alpha_i) * m^-s (siblings are correlated, so each extra one helps less). The verify pass
-already pays for all of the tree's tokens (speed.py); this side credits only what they accept.
+positions decays (DeepSeek-V3's module: tau 1.875 at one draft, 3.20 at seven). A tree (SGLang topk > 1) is
+EAGLE-2's dynamic tree as SGLang drafts it: the root's topk children, then at each of `steps` levels the topk
+children of that level's topk best nodes, and the target verifies the draft_tokens - 1 best of all of them. A
+node's value is its path's acceptance, the product of its ancestors' and its own share: the r-th ranked candidate
+at depth i is accepted with q_i(r) = c_i(r) - c_i(r - 1), where c_i(m) = 1 - (1 - alpha_i)^(m^s) is the chance
+that one of the m best is: m^s independent tries (s < 1: siblings are correlated, so each extra one helps less,
+and none helps a drafter that never agrees). E = 1 + the sum of the verified nodes' values: the optimal tree of a
+positional acceptance vector (Sequoia, arXiv 2402.12374, sec. 3.1), picked as EAGLE-2 reranks by value (arXiv
+2406.16858: the draft's confidence approximates acceptance). A small budget thus stays close to a chain, and a
+large one widens the shallow levels first. The verify pass already pays for all of the tree's tokens (speed.py);
+this side credits only what they accept.
 
 Per family, alpha_1 and decay are fitted to the published tau (and per-position shares, where published) at the
-settings they were published for (autotune/data/acceptance.yaml); s is the smallest that reproduces the
-published trees (sibling_exponent).
+settings they were published for (autotune/data/acceptance.yaml); s is the one that best reproduces the published
+trees (sibling_exponent).
 Measured accept lengths replace the prior's alpha_1 and keep its decay (calibration.py).
 """
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass, replace
 
 import numpy as np
 import yaml
+from scipy.optimize import minimize_scalar
 
 from autotune import package_path
 from autotune.predict.knobs import Knobs
@@ -38,10 +47,8 @@ UNPUBLISHED = {
 # contexts that got that far, which a per-position rate cannot tell from depth; flat errs against deep chains.
 ALPHA_GRID = np.linspace(0.05, MAX_RATE, 189)
 DECAY_GRID = np.linspace(0.5, 1.0, 51)
-SIBLING_GRID = np.linspace(0.0, 1.0, 101)
+SIBLING_GRID = np.linspace(0.0, 2.0, 101)
 DECAY_RIDGE = 1e-3
-# A published tree counts as reproduced within this share of its tau (the sibling exponent's fit, below).
-TREE_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
@@ -74,21 +81,35 @@ class Published:
     tau: float
     per_position: tuple[float, ...] = ()
     mtp_layers: int = 1
+    # Rows of one draft head measured at several settings in one run: they fit the tree's sibling exponent with
+    # an alpha_1 of their own (another head than the family's prior is fitted to), not the family's prior.
+    sweep: str = ""
 
 
 def tokens_per_step(acc: Acceptance, steps: int, topk: int, draft_tokens: int, sibling_exponent: float) -> float:
-    """E: tokens a step yields. A chain drafts draft_tokens - 1 tokens; a tree `steps` levels of m candidates."""
+    """E: tokens a step yields. A chain drafts draft_tokens - 1 tokens; a tree is verified_tree's."""
     if topk > 1:
-        depth = min(steps, draft_tokens - 1)  # a path through the verified tree has at most its drafted nodes
-        m = min(topk, max(1.0, (draft_tokens - 1) / steps))
-        rates = [1 - (1 - acc.rate(i)) * m ** -sibling_exponent for i in range(1, depth + 1)]
-    else:
-        rates = [acc.rate(i) for i in range(1, draft_tokens)]
+        return verified_tree(acc, steps, topk, draft_tokens - 1, sibling_exponent)
     total, reach = 1.0, 1.0
-    for r in rates:
-        reach *= r
+    for i in range(1, draft_tokens):
+        reach *= acc.rate(i)
         total += reach
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def verified_tree(acc: Acceptance, steps: int, topk: int, nodes: int, s: float) -> float:
+    """1 + the values of the `nodes` best candidates of SGLang's draft tree (select_top_k_tokens expands the topk
+    best of each level; organize_draft_results keeps the best over all levels), a value being the path's acceptance."""
+    def share(i: int, r: int) -> float:  # q_i(r) = c_i(r) - c_i(r - 1), c_i(0) = 0
+        missed = lambda m: (1 - acc.rate(i)) ** (m ** s)
+        return (1.0 if r == 1 else missed(r - 1)) - missed(r)
+    level, candidates = [1.0], []
+    for i in range(1, steps + 1):
+        children = sorted((v * share(i, r) for v in level for r in range(1, topk + 1)), reverse=True)
+        candidates += children
+        level = children[:topk]
+    return 1 + sum(heapq.nlargest(nodes, candidates))
 
 
 def expected_tokens(acceptance: Acceptance | float, k: Knobs) -> float:
@@ -137,7 +158,7 @@ def priors() -> dict[str, Acceptance]:
     out = {}
     for family in sorted({r.family for r in published()}):
         loss = DECAY_RIDGE * np.log(DECAY_GRID)[None, :] ** 2
-        for row in (r for r in published() if r.family == family and r.topk == 1):
+        for row in (r for r in published() if r.family == family and r.topk == 1 and not r.sweep):
             tau, reach = _chain_grid(row)
             loss = loss + np.log(tau / row.tau) ** 2
             if row.per_position:
@@ -149,16 +170,25 @@ def priors() -> dict[str, Acceptance]:
 
 @functools.cache
 def sibling_exponent() -> float:
-    """The smallest exponent whose sibling gain reproduces every published tree (with its family's chain prior)
-    within TREE_TOLERANCE, else the best fit. Smallest: the published trees come from the EAGLE authors' own
-    tree search (EAGLE-2's reranking over 60 tokens), the best case; an engine's tree is credited no more."""
-    trees = [r for r in published() if r.topk > 1]
+    """The exponent whose trees best reproduce every published tree (squared log ratio of tau). A sweep's rows
+    take, at each exponent, the alpha_1 that fits the sweep best (its chain, where it has one, pins it) with the
+    family's decay; other trees their family's prior."""
+    def error(acc: Acceptance, r: Published, s: float) -> float:
+        e = tokens_per_step(replace(acc, trained=r.mtp_layers), r.steps, r.topk, r.draft_tokens, s)
+        return float(np.log(e / r.tau) ** 2)
 
-    def errors(s: float) -> list[float]:
-        return [tokens_per_step(replace(priors()[r.family], trained=r.mtp_layers), r.steps, r.topk,
-                                r.draft_tokens, s) / r.tau - 1 for r in trees]
-    within = [s for s in SIBLING_GRID if all(abs(e) <= TREE_TOLERANCE for e in errors(s))]
-    return float(within[0] if within else min(SIBLING_GRID, key=lambda s: sum(e * e for e in errors(s))))
+    def sweep_error(rows: list[Published], s: float) -> float:
+        shape = priors()[rows[0].family]
+        fit = minimize_scalar(lambda a: sum(error(replace(shape, alpha_1=a), r, s) for r in rows),
+                              bounds=(ALPHA_GRID[0], MAX_RATE), method="bounded")
+        return float(fit.fun)
+
+    sweeps = {r.sweep for r in published() if r.sweep}
+
+    def loss(s: float) -> float:
+        alone = sum(error(priors()[r.family], r, s) for r in published() if r.topk > 1 and not r.sweep)
+        return alone + sum(sweep_error([r for r in published() if r.sweep == w], s) for w in sweeps)
+    return float(min(SIBLING_GRID, key=loss))
 
 
 def prior(family: str, mtp_layers: int = 1) -> Acceptance:
