@@ -12,14 +12,22 @@
 #          bash benchmarks/gpu_sglang.sh autotune                     # autotune's extra wheels alone
 #          bash benchmarks/gpu_sglang.sh llama &                      # llama-server's CUDA build (detached)
 #          bash benchmarks/gpu_sglang.sh prewarm C... &               # embedded: each slots shape compiled once
-#          bash benchmarks/gpu_sglang.sh install                      # install.sh, then the extra wheels
+#          bash benchmarks/gpu_sglang.sh install                      # install.sh (the SGLang bundle)
+#          bash benchmarks/gpu_sglang.sh hf                           # the bundled model's HF copy, made and timed
 #          bash benchmarks/gpu_sglang.sh smoke                        # the defaults launched, one request
 #          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
 #          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
 #          bash benchmarks/gpu_sglang.sh compare C SIDE...            # winners relaunched, alternated
 #          bash benchmarks/gpu_sglang.sh schedule [ARGS]              # bench_schedule.py --gpu (issue 34)
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
-# Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends.
+# Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends, so
+# calls follow each other with nothing done in between (a gap lost a whole machine on 2026-12-05), and nothing
+# is reniced or killed by a command-line pattern (it matches the device call's own shell). One session, in order:
+#   put .carry/ll (with .bundle/sglang/install.sh), then `llama` detached under nice; put .carry/aw1; put
+#   .carry/aw2; put each of .bundle/sglang/parts/00..06; install, autotune, hf; then detached
+#   `(BUDGET=4m tune 4; compare 4 benchmarks/results/h200-2026-12-02/sweep.json
+#   benchmarks/results/h200-2026-12-03c/tuner-c4.json benchmarks/results/h200-2026-12-01d/sweep-llamacpp.json
+#   ~/g/studies/tuner-sglang-c4)` and `nice prewarm 4`; poll with `sleep N; status`.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=~/g
@@ -27,7 +35,8 @@ export PYTHONPATH=$site:$here PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=~/ind TRITON_CACHE_DIR=~/tri  # kept between calls: an embedded compile once
 [ ! -s $out/llama-server.path ] || export AUTOTUNE_LLAMA_SERVER=$(cat $out/llama-server.path)
-step=${1:?put, autotune, llama, prewarm, install, smoke, tune, compare, schedule or status}
+hf_dir() { python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))"; }  # made and checked once per machine
+step=${1:?put, autotune, llama, prewarm, install, hf, smoke, tune, compare, schedule or status}
 shift
 case $step in
   put)
@@ -52,9 +61,13 @@ case $step in
     bash ~/bundle/install.sh --target "$site" ~/bundle/parts
     echo "installed in $(( $(date +%s) - t0 )) s"
     python3 -c "import sglang, sgl_kernel, flashinfer, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)" ;;
+  hf)
+    t0=$(date +%s)
+    hf_dir
+    echo "HF copy ready in $(( $(date +%s) - t0 )) s" ;;
   smoke)
     set -o pipefail
-    model=$(python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))")
+    model=$(hf_dir)
     echo "model: $model"
     python3 -m sglang.launch_server --model-path "$model" --host 127.0.0.1 --port 30000 > ~/smoke.log 2>&1 &
     server=$!
