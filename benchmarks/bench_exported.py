@@ -28,13 +28,12 @@ from scipy.stats import bootstrap
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_gpu_tuner import best_cells
+from bench_gpu_tuner import best_cells, launch_config
 
 from autotune import provenance
 from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
 from autotune.engines import get_adapter
-from autotune.engines.launcher import launch
 
 
 def side(path: Path, concurrency: int) -> dict:
@@ -51,17 +50,9 @@ def side(path: Path, concurrency: int) -> dict:
 
 
 def start(path: Path, exported: dict, out: Path, concurrency: int, max_tokens: int, workload, timeout_s: float):
-    adapter = get_adapter(exported["engine"])
-    runtime = {k: v for k, v in exported["config"].items() if k in adapter.facts.runtime_params}
-    log = out.with_name(f"{out.stem}-{path.stem}.log")
-    if "argv" in exported:
-        server = launch(adapter, argv=exported["argv"], env=exported.get("env") or {}, timeout_s=timeout_s,
-                        log_path=log)
-    else:
-        server = launch(adapter, {k: v for k, v in exported["config"].items() if k not in runtime}, log_path=log,
-                        timeout_s=timeout_s)
-    if runtime:
-        adapter.apply_runtime(server.base_url, runtime)
+    server = launch_config(get_adapter(exported["engine"]), exported["config"], argv=exported.get("argv"),
+                           env=exported.get("env"), log_path=out.with_name(f"{out.stem}-{path.stem}.log"),
+                           timeout_s=timeout_s)
     warm_up(server, workload, concurrency=concurrency, max_tokens=max_tokens, request_timeout=timeout_s)
     return server
 

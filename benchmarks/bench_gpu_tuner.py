@@ -218,6 +218,21 @@ def best_cells(out: Path, engine: str) -> dict[int, dict]:
     return best
 
 
+def launch_config(adapter, config: dict, *, log_path: Path, timeout_s: float, argv: list[str] | None = None,
+                  env: dict | None = None):
+    """`config` launched (from an export's argv and env where given), its runtime settings applied as the tuner
+    applies them; an engine without runtime settings is only launched (llama-server's adapter refuses any)."""
+    runtime = {k: v for k, v in config.items() if k in adapter.facts.runtime_params}
+    if argv is not None:
+        server = launch(adapter, argv=argv, env=env or {}, log_path=log_path, timeout_s=timeout_s)
+    else:
+        server = launch(adapter, {k: v for k, v in config.items() if k not in runtime}, log_path=log_path,
+                        timeout_s=timeout_s)
+    if runtime:
+        adapter.apply_runtime(server.base_url, runtime)
+    return server
+
+
 def confirm(args):
     """Relaunch the sweep's best and the tuner's winner per concurrency; alternate measurements."""
     out = Path(args.out)
@@ -235,11 +250,8 @@ def confirm(args):
         servers = {}
         try:
             for side, config in sides.items():
-                launch_part = {k: v for k, v in config.items() if k not in adapter.facts.runtime_params}
-                servers[side] = launch(adapter, launch_part, log_path=out / "logs" / f"confirm-c{c}-{side}.log",
-                                       timeout_s=args.launch_timeout)
-                adapter.apply_runtime(servers[side].base_url,
-                                      {k: v for k, v in config.items() if k in adapter.facts.runtime_params})
+                servers[side] = launch_config(adapter, config, log_path=out / "logs" / f"confirm-c{c}-{side}.log",
+                                              timeout_s=args.launch_timeout)
                 warm_up(servers[side], workload, concurrency=c, max_tokens=args.max_tokens, seed=args.seed,
                         request_timeout=args.launch_timeout)
             values = {side: [] for side in sides}
