@@ -211,8 +211,8 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     GEMV's (Coefficients.mem_scale); weight-only quantized experts at the product of both shares."""
     bw, peak, link, latency = _hardware(profile, k)
     mem = weight_bytes + seqs * context * kv_per_token
-    fixed = 0.0
-    if profile is not None and profile.is_gpu:
+    fixed, gpu = 0.0, profile is not None and profile.is_gpu
+    if gpu:
         dense_share = 1 / Coefficients.mem_scale
         weight_only = WEIGHT_ONLY_BANDWIDTH_SHARE.get(k.quantization or "", 1.0)
         mem += linear_bytes * (1 / weight_only - 1)
@@ -224,12 +224,12 @@ def make_pass(weight_bytes: float, params: float, layers: int, kv_per_token: flo
     if k.tp > 1:
         message = tokens * model.hidden * WEIGHT_BYTES.get(k.dtype, 2)
         comm = 2 * layers * all_reduce_s(message, k.tp, profile, link, latency)
-    kernels = layers * (k.layer_kernels or KERNELS_PER_LAYER) + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
+    per_layer = k.layer_kernels or KERNELS_PER_LAYER
+    kernels = layers * per_layer + moe_layers * MOE_EXTRA_KERNELS + HEAD_KERNELS
     # under a CUDA graph the light kernels' floors come after the bytes' time (the MoE layers' extra kernels are in
     # MOE_FIXED_S); eager, each kernel's launch (launch_s, longer than a floor) already runs one after another, and
     # a light kernel runs while the host launches the next; a CPU's per-op cost is calibration's
-    light = (layers * ((k.layer_kernels or KERNELS_PER_LAYER) - HEAVY_LAYER_KERNELS) + HEAD_KERNELS - 1
-             if profile is not None and profile.is_gpu and not eager else 0)
+    light = layers * (per_layer - HEAVY_LAYER_KERNELS) + HEAD_KERNELS - 1 if gpu and not eager else 0
     return Pass(mem / bw, flops / peak, comm, kernels, eager, fixed_s=fixed, light_kernels=light)
 
 
