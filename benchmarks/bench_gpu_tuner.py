@@ -222,12 +222,11 @@ def launch_config(adapter, config: dict, *, log_path: Path, timeout_s: float, ar
                   env: dict | None = None):
     """`config` launched (from an export's argv and env where given), its runtime settings applied as the tuner
     applies them; an engine without runtime settings is only launched (llama-server's adapter refuses any)."""
-    runtime = {k: v for k, v in config.items() if k in adapter.facts.runtime_params}
+    launch_part, runtime = adapter.facts.split_runtime(config)
     if argv is not None:
         server = launch(adapter, argv=argv, env=env or {}, log_path=log_path, timeout_s=timeout_s)
     else:
-        server = launch(adapter, {k: v for k, v in config.items() if k not in runtime}, log_path=log_path,
-                        timeout_s=timeout_s)
+        server = launch(adapter, launch_part, log_path=log_path, timeout_s=timeout_s)
     if runtime:
         adapter.apply_runtime(server.base_url, runtime)
     return server

@@ -83,6 +83,13 @@ class EngineFacts:
         if unknown:
             raise ValueError(f"drafter_families: {', '.join(sorted(unknown))} not among {', '.join(DRAFTER_FAMILIES)}")
 
+    def split_runtime(self, config: Mapping, names: set[str] | None = None) -> tuple[dict, dict]:
+        """`config` as (what a server is launched with, what a running server takes in place): runtime settings are
+        runtime_params, or those of `names` (a space may allow fewer)."""
+        runtime = self.runtime_params if names is None else names
+        return ({k: v for k, v in config.items() if k not in runtime},
+                {k: v for k, v in config.items() if k in runtime})
+
     def __reduce__(self):
         # read-only mappings neither pickle nor deep-copy: the record is rebuilt from plain ones
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -266,8 +266,7 @@ def drafts(ctx: StudyContext, config: dict) -> bool:
 
 def _launch_part(ctx: StudyContext, config: dict) -> dict:
     """The launch settings apart from the draft length (set to 0 here, so two lengths compare equal)."""
-    runtime = set(ctx.adapter.facts.runtime_params)
-    return {k: v for k, v in ctx.adapter.with_draft_length(config, 0).items() if k not in runtime}
+    return ctx.adapter.facts.split_runtime(ctx.adapter.with_draft_length(config, 0))[0]
 
 
 def from_trials(ctx: StudyContext, config: dict) -> list[Measurement]:
@@ -354,14 +353,14 @@ def measure_grid(adapter, server, drafter: str, configs: dict[int, dict], levels
     """On one running server: each k's runtime settings (`configs[k]`, applied through the adapter) at each
     concurrency, `repeats` times, the k alternated within a repeat and the order flipped every repeat (drift
     falls on every k alike); stops adding cells at `deadline` (time.time())."""
-    runtime, out = set(adapter.facts.runtime_params), []
+    out = []
     order = sorted(configs)
     for r in range(repeats):
         for c in levels:
             for k in (order if r % 2 == 0 else order[::-1]):
                 if deadline is not None and time.time() >= deadline:
                     return out
-                adapter.apply_runtime(server.base_url, {key: v for key, v in configs[k].items() if key in runtime})
+                adapter.apply_runtime(server.base_url, adapter.facts.split_runtime(configs[k])[1])
                 s, _ = measure_server(server, workload, concurrency=c, num_requests=c * requests_per_stream,
                                       max_tokens=max_tokens, seed=seed)
                 if not server.alive() or not s.get("completed") or s.get("failed"):

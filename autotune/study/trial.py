@@ -60,7 +60,7 @@ class Servers:
         self.runtime_names = p.space.runtime_names() & set(p.adapter.facts.runtime_params)
 
     def launch_part(self, config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in self.runtime_names}
+        return self.p.adapter.facts.split_runtime(config, self.runtime_names)[0]
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
@@ -69,7 +69,7 @@ class Servers:
         """Bring up a server running `config` within timeout_s; returns (how: launched|reused, launch record)."""
         adapter = self.p.adapter
         if self.alive() and self.launch_part(config) == self.launch_config:
-            runtime = {k: v for k, v in config.items() if k in self.runtime_names}
+            runtime = adapter.facts.split_runtime(config, self.runtime_names)[1]
             try:
                 adapter.apply_runtime(self.server.base_url, runtime)
                 self.saved += 1

@@ -30,10 +30,9 @@ def new_record(label: str, config: dict) -> dict:
 def launch_groups(ctx: StudyContext, recs: list[dict]) -> list[list[dict]]:
     """`recs` grouped by what a running server cannot change: configurations that differ only in runtime
     settings (the draft length, say) share one launch, as the study's trials share a server."""
-    runtime = set(ctx.adapter.facts.runtime_params)
     groups: dict = {}
     for rec in recs:
-        key = effective_key(ctx.adapter, {k: v for k, v in rec["config"].items() if k not in runtime})
+        key = effective_key(ctx.adapter, ctx.adapter.facts.split_runtime(rec["config"])[0])
         groups.setdefault(key, []).append(rec)
     return list(groups.values())
 
@@ -68,10 +67,8 @@ def measure(ctx: StudyContext, recs: list[dict], *, repeats: int, prompts: list[
     """One fresh launch shared by `recs` (one launch group), its warm-up, each record's greedy outputs (on
     its first launch) and `repeats` benchmarks of each, in alternation (the order flips every repeat), added
     to the records: a later call is one more launch of them."""
-    runtime_names = set(ctx.adapter.facts.runtime_params)
-
     def use(server, rec):  # the record's runtime settings on the shared server
-        runtime = {k: v for k, v in rec["config"].items() if k in runtime_names}
+        runtime = ctx.adapter.facts.split_runtime(rec["config"])[1]
         if len(recs) > 1 and runtime:
             ctx.adapter.apply_runtime(server.base_url, runtime)
 
