@@ -13,12 +13,14 @@ only if they fit (else it is fitted on the study's own rows), the schedule's swe
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from autotune.study import record
 
+MORE_TRIALS = 5  # what a stop's suggested budget buys beyond the trials run so far
 UNPRICED_FINISH_SHARE = 1 / 3  # held back for the finish before any trial has priced it
 MAX_FINISH_SHARE = 1 / 2  # at most this much held back for a full finish; validation shrinks to fit (its floor:)
 FLOOR = {"top": 1, "repeats": 2}  # the best configuration and the baseline, twice each on fresh launches
@@ -155,6 +157,25 @@ class Budget:
                 + (f", schedule sweep ~{minutes(self.finish.sweep_s(prices))}" if self.finish.sweep else "")
                 + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here)")
 
+    def budget_for(self, prices: Prices, trials: int, now: float | None = None) -> float:
+        """The budget whose search would hold `trials` more trials, each launched (a relaunch priced as
+        validation prices it), at these prices: the time spent so far, the trials and the full finish (more
+        than any deadline holds back)."""
+        now = time.time() if now is None else now
+        held = self.finish.seconds(prices) if self.finish else 0.0
+        return (now - self.start) + trials * (1.2 * prices.bench_s + prices.launch_s) + held
+
+    def stop_line(self, prices: Prices | None, measured: int, configs: int | None = None) -> str:
+        """Why the search stops, in this machine's prices, and what budget would hold more (an engine whose every
+        trial is a launch of a minute or more, SGLang's on the H100, fits one trial in 6 minutes)."""
+        if prices is None:
+            return "budget reached: no new trials"
+        floor = self.finish.floor_s(prices, configs) if self.finish else 0.0
+        more = self.budget_for(prices, MORE_TRIALS)
+        return (f"budget reached after {measured} trial{'s' * (measured != 1)}: a trial with its launch costs "
+                f"~{minutes(1.2 * prices.bench_s + prices.launch_s)} here (a launch {prices.launch_s:.0f} s, a "
+                f"benchmark {prices.bench_s:.0f} s) and the finish needs ~{minutes(floor)} at least; "
+                f"--budget {math.ceil(more / 60)}m would hold about {MORE_TRIALS} more")
 
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"

@@ -363,7 +363,8 @@ class Fleet:
                     typical = prices.trial_s(self._next_reuses(servers)) if prices else 0.0
                     if self.budget.search_deadline(prices, configs) - time.time() < typical:
                         if not self.out_of_time:
-                            self.view.note("budget reached: no new trials")
+                            measured = sum(bool(t.user_attrs.get("measured")) for t in self.study.get_trials(deepcopy=False))
+                            self.view.note(self.budget.stop_line(prices, measured, configs))
                         self.out_of_time = True
                         return None
                 if time.monotonic() - self.last_sweep > HEARTBEAT_S:

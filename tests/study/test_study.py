@@ -1,6 +1,7 @@
 """The study behind `autotune run`: real embedded engine over HTTP, real Optuna SQLite storage."""
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop, objectives, plan, record, storage
 from autotune.study import trial as trial_life
 from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
+from autotune.study import budget as budget_mod
 from autotune.study.budget import Budget, Finish, Prices
 from autotune.study.live import LiveView
 from autotune.validate.race import fitting_round
@@ -512,6 +514,31 @@ def test_a_trial_still_running_at_the_search_deadline_is_cut_without_a_verdict(s
     assert 8.0 <= time.time() - started < 8.0 + 30.0  # ended by the deadline, not the client's 2-minute timeout
 
 
+def test_a_stop_for_budget_says_what_a_trial_costs_here_and_which_budget_holds_more():
+    """SGLang on the H100 (2026-12-05): every trial a launch of ~98 s, and a 6-minute budget held one trial;
+    the run said only "budget reached". The stop now gives the machine's prices, and its suggested budget,
+    started afresh after the same time spent, has a search deadline leaving room for that many more launched
+    trials, with any number of configurations for validation."""
+    def launched(warmup_s: float) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(value=1.0, user_attrs={
+            "status": record.OK, "launch": "launched", "metrics": {"total_output_tokens": 1600},
+            "timings": {"launch_s": 95.0, "warmup_s": warmup_s, "bench_s": 17.0}})
+
+    finish = Finish(top=3, repeats=2, quality_prompts=4, estimator_passes=False)
+    for prices in (Prices.of([launched(3.0)], concurrency=4), Prices.of([launched(3.0), launched(1.0)], 4)):
+        budget = Budget(360.0, finish, start=time.time() - 134.0)
+        line = budget.stop_line(prices, measured=1, configs=2)
+        wanted = budget.budget_for(prices, budget_mod.MORE_TRIALS)
+        assert line.startswith("budget reached after 1 trial:") and f"--budget {math.ceil(wanted / 60)}m" in line
+        assert f"a launch {prices.launch_s:.0f} s" in line
+        for configs in (1, 2, 4):
+            bigger = Budget(wanted, finish, start=budget.start)
+            room = bigger.search_deadline(prices, configs) - budget.start - 134.0
+            assert room >= budget_mod.MORE_TRIALS * (1.2 * prices.bench_s + prices.launch_s) - 1.0
+        assert budget.search_deadline(prices, configs=2) - budget.start < 134.0  # the stop was right
+    assert Budget(360.0, finish).stop_line(None, measured=0) == "budget reached: no new trials"
+
+
 @pytest.mark.slow
 def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_server(studies, monkeypatch):
     """With less time left than a trial with its launch but more than one without, the next queued trial runs
@@ -538,6 +565,6 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
         reusing = fleet._next_trial(servers)
         assert reusing is not None and p.space.suggest(reusing)["draft_length"] == 5 and notes[1:] == []
         study.tell(reusing, 1.0)
-        assert fleet._next_trial(servers) is None and notes[-1] == "budget reached: no new trials"
+        assert fleet._next_trial(servers) is None and notes[-1].startswith("budget reached after")
     finally:
         servers.stop()
