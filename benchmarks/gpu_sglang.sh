@@ -24,15 +24,14 @@
 # calls follow each other with nothing done in between (a gap lost a whole machine on 2026-12-05), and nothing
 # is reniced or killed by a command-line pattern (it matches the device call's own shell). One session, in order:
 #   put .carry/ll (with .bundle/sglang/install.sh), then `llama` detached under nice; put .carry/aw1; put
-#   .carry/aw2; put each of .bundle/sglang/parts/00..06; install, autotune, hf; then detached
-#   `(BUDGET=4m tune 4; compare 4 benchmarks/results/h200-2026-12-02/sweep.json
+#   .carry/aw2; put each of .bundle/sglang/parts/00..06; install, autotune, hf; then, once `llama` has ended
+#   (llama-build.log's last line), detached `(BUDGET=20m tune 4; compare 4 benchmarks/results/h200-2026-12-02/sweep.json
 #   benchmarks/results/h200-2026-12-03c/tuner-c4.json benchmarks/results/h200-2026-12-01d/sweep-llamacpp.json
-#   ~/g/studies/tuner-sglang-c4)` and `nice prewarm 4`; poll with `sleep N; status`.
-# Learned on the H100 (2026-12-05): an SGLang launch there took ~98 s, so every trial is ~2 min and a 4-6 minute
-# budget held only the defaults; tune SGLang with BUDGET=20m or more, and only after `llama` and `prewarm` have
-# ended (beside them its first launch took 2.3 min and the run went 39% over its budget). A file made inside the
-# repository on the device is gone at the next call (each call copies this tree again): keep scripts under ~, and
-# give a second run of a step its own GOUT folder instead of a copy of this script.
+#   ~/g/studies/tuner-sglang-c4)`; poll with `sleep N; status`. An SGLang launch took ~98 s on the H100
+#   (2026-12-05; 36 s on the H200), so a trial is ~2 min: a 4-6 minute budget held only the defaults, and beside
+#   the llama build and `prewarm` its first launch took 2.3 min and the run went 39% over its budget. A file made
+#   inside the repository on the device is gone at the next call (each call copies this tree again): keep
+#   scripts under ~, and give a second run of a step its own GOUT folder.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=${GOUT:-~/g}
