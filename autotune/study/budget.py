@@ -67,6 +67,11 @@ class Prices:
         launch is: a trial that overruns is cut at the deadline all the same)."""
         return 1.2 * self.bench_s + (0.0 if reuses_server else self.warm_launch_s or 0.0)
 
+    @property
+    def launched_trial_s(self) -> float:
+        """A next trial with its launch priced in full, as validation prices a relaunch (what a stop quotes)."""
+        return self.trial_s(reuses_server=True) + self.launch_s
+
 
 @dataclass(frozen=True)
 class Sweep:
@@ -163,7 +168,7 @@ class Budget:
         than any deadline holds back)."""
         now = time.time() if now is None else now
         held = self.finish.seconds(prices) if self.finish else 0.0
-        return (now - self.start) + trials * (1.2 * prices.bench_s + prices.launch_s) + held
+        return (now - self.start) + trials * prices.launched_trial_s + held
 
     def stop_line(self, prices: Prices | None, measured: int, configs: int | None = None) -> str:
         """Why the search stops, in this machine's prices, and what budget would hold more (an engine whose every
@@ -173,9 +178,10 @@ class Budget:
         floor = self.finish.floor_s(prices, configs) if self.finish else 0.0
         more = self.budget_for(prices, MORE_TRIALS)
         return (f"budget reached after {measured} trial{'s' * (measured != 1)}: a trial with its launch costs "
-                f"~{minutes(1.2 * prices.bench_s + prices.launch_s)} here (a launch {prices.launch_s:.0f} s, a "
+                f"~{minutes(prices.launched_trial_s)} here (a launch {prices.launch_s:.0f} s, a "
                 f"benchmark {prices.bench_s:.0f} s) and the finish needs ~{minutes(floor)} at least; "
                 f"--budget {math.ceil(more / 60)}m would hold about {MORE_TRIALS} more")
+
 
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
