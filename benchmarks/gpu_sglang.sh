@@ -104,6 +104,6 @@ case $step in
       > $out/schedule.log 2>&1 ;;
   status)
     ls $out 2>/dev/null; tail -n 5 $out/*.log 2>/dev/null || true; nvidia-smi --query-gpu=memory.used --format=csv
-    [ -z "${OUT:-}" ] || tar czf "$OUT/sglang-g.tgz" -C ~ g --exclude='*.safetensors' 2>/dev/null || true ;;
+    [ -z "${OUT:-}" ] || tar czf "$OUT/sglang-g.tgz" --exclude='*.safetensors' -C ~ g 2>/dev/null || true ;;
   *) echo "gpu_sglang.sh: unknown step $step" >&2; exit 2 ;;
 esac
