@@ -32,6 +32,9 @@
 #   the llama build and `prewarm` its first launch took 2.3 min and the run went 39% over its budget. A file made
 #   inside the repository on the device is gone at the next call (each call copies this tree again): keep
 #   scripts under ~, and give a second run of a step its own GOUT folder.
+# The embedded engine alone (prewarm, schedule, ENGINE=embedded tune) needs more than `autotune` installs on a bare
+# box: the H100 of 2026-12-05 lacked pydantic, zstandard, uvicorn, fastapi and what they import (opentelemetry
+# among them); `install` of the SGLang bundle brings all of it, so install it first there too.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=${GOUT:-~/g}
@@ -100,6 +103,7 @@ case $step in
     python3 "$here/benchmarks/bench_exported.py" "$@" --concurrency "$c" --out "$out/compare-c$c.json" \
       > "$out/compare-c$c.log" 2>&1 ;;
   schedule)
+    mkdir -p $out
     python3 "$here/benchmarks/bench_schedule.py" --engine embedded --gpu --out $out/schedule "$@" \
       > $out/schedule.log 2>&1 ;;
   status)
