@@ -1,8 +1,9 @@
 """Does a draft-length schedule (batch size -> k) beat every fixed k on a load that ramps? (issue 34 point 5)
 
 1. Fit (workload seed --fit-seed): one server per launch configuration, each k of --ks at each concurrency of
-   --levels, --fit-repeats times, the k rotated cell by cell; study/schedule.fit chooses the schedule from
-   these measurements alone (what `autotune run --fit-schedule` does after its own sweep).
+   --levels, --fit-repeats times, the k rotated cell by cell, each cell a closed loop of --phase-s seconds as an
+   evaluation phase runs (study/schedule.measure_cell); study/schedule.fit chooses the schedule from these
+   measurements alone (what `autotune run --fit-schedule` does after its own sweep).
 2. Evaluation (other prompts: workload seed --eval-seed): the ramp profile (each level for --phase-s
    seconds, closed loop, one after another) run --rounds times on every arm, the arms rotated per round:
    the schedule and each fixed k (k = 0 is plain decoding). Per arm the pooled tok/s of each round (tokens of
@@ -38,12 +39,12 @@ from rich.console import Console
 
 from autotune.bench import load_workload
 from autotune.bench.load_profile import parse_load_profile
-from autotune.bench.runner import measure_server, measure_server_profile, warm_up
+from autotune.bench.runner import measure_server_profile, warm_up
 from autotune.engines import get_adapter
 from autotune.engines.launcher import launch
 from autotune.hardware.probe import probe
 from autotune.space.space import powers_of_two
-from autotune.study.schedule import Measurement, Phase, fit
+from autotune.study.schedule import Measurement, Phase, fit, measure_cell
 
 BASE = {  # batch up to the top level, CPU, one model
     "embedded": {"drafter": "ngram", "quantization": "gguf", "device": "cpu", "max_seq_len": 1024, "seed": 0},
@@ -99,7 +100,8 @@ class Arms:
         return server
 
 
-def fit_phase(arms: Arms, levels: list[int], repeats: int, max_tokens: int, seed: int, console) -> list[Measurement]:
+def fit_phase(arms: Arms, levels: list[int], repeats: int, cell_s: float, max_tokens: int, seed: int,
+              console) -> list[Measurement]:
     workload = load_workload("code", seed)
     for k in arms.ks:  # compiling and warm caches are launch cost, not the first cell's speed
         warm_up(arms.use(k), workload, concurrency=max(levels), max_tokens=max_tokens, seed=seed)
@@ -107,8 +109,7 @@ def fit_phase(arms: Arms, levels: list[int], repeats: int, max_tokens: int, seed
     for r in range(repeats):
         for c in levels:
             for k in (arms.ks if r % 2 == 0 else arms.ks[::-1]):
-                s, _ = measure_server(arms.use(k), workload, concurrency=c, num_requests=2 * c, max_tokens=max_tokens,
-                                      seed=seed + r)
+                s = measure_cell(arms.use(k), workload, c, cell_s, max_tokens=max_tokens, seed=seed + r)
                 out.append(Measurement(arms.base[arms.adapter.facts.draft_keys[0]], k, c,
                                        float(s["output_tok_s"]), s.get("accept_length")))
                 console.print(f"fit r{r} c={c} k={k}: {s['output_tok_s']:.1f} tok/s")
@@ -159,7 +160,7 @@ def main():
     started = time.time()
     with ExitStack() as stack:
         arms = Arms(args.engine, base, ks, out / "logs", stack)
-        measured = fit_phase(arms, levels, args.fit_repeats, args.max_tokens, args.fit_seed, console)
+        measured = fit_phase(arms, levels, args.fit_repeats, args.phase_s, args.max_tokens, args.fit_seed, console)
         fitted = fit(measured, measured[-1].drafter, [Phase(c, args.phase_s) for c in levels])
         arms.schedule = fitted.schedule
         console.print(f"fitted: {fitted.summary_line()}")

@@ -75,16 +75,18 @@ class Prices:
 
 @dataclass(frozen=True)
 class Sweep:
-    """The draft-length schedule's sweep: its launches and its benchmarks, each `stream_tokens` tokens a stream."""
+    """The draft-length schedule's sweep: its launches and its benchmarks, each a closed loop of `cell_s` seconds
+    whose last requests (`request_tokens` each) then finish."""
     launches: int
     benchmarks: int
-    stream_tokens: int
+    cell_s: float
+    request_tokens: int
 
     def seconds(self, prices: Prices) -> float:
-        """At this machine's prices: a stream's tokens at the pace of the study's benchmarks (the sweep's
-        low concurrencies run faster a stream, its high ones slower: the study's level sits between)."""
-        per_token = prices.request_s / ESTIMATOR_TOKENS
-        return self.launches * prices.launch_s + self.benchmarks * self.stream_tokens * per_token
+        """At this machine's prices: a request's finish at the pace of the study's benchmarks (the sweep's low
+        concurrencies run faster a stream, its high ones slower: the study's level sits between)."""
+        finish_s = self.request_tokens * prices.request_s / ESTIMATOR_TOKENS
+        return self.launches * prices.launch_s + self.benchmarks * (self.cell_s + finish_s)
 
 
 @dataclass

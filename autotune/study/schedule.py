@@ -7,12 +7,19 @@ measured throughput, not from a model:
   measurements  rows of (drafter, k, batch, output tok/s): the study's trials that ran the winner's launch
                 settings (per load-profile phase where one ran: attrs phase_c<N>_output_tok_s), and a short
                 sweep on one running server of the winner (k changed through the adapter's runtime knobs;
-                an engine that cannot change k live is relaunched per k) at each batch in `levels`
+                an engine that cannot change k live is relaunched per k) at each batch in `levels`, each cell
+                a timed closed-loop phase as a load profile runs one (a cell of a few requests a stream
+                ranked otherwise than the load: on an H100, plain decoding beat k=8 by 16% at 16 streams in
+                2-request cells and tied it in 4 s phases)
   cells         per (batch, k): the median and a 90% bootstrap interval, widened to +-NOISE_FLOOR
-  choice        per batch, the shortest k the best cell does not beat beyond the noise (a difference the
-                intervals cannot tell is no reason for a longer draft)
+  choice        per batch, the shortest k the best cell does not beat beyond the noise: its median within
+                NOISE_FLOOR of the best's and its interval reaching the best's low end (a difference the
+                measurements cannot tell is no reason for a longer draft; two wide intervals are no reason
+                for a shorter one that measured 8% slower)
   schedule      adjacent batches with the same k merged into rows (draft_schedule.DraftSchedule); a batch
-                between two measured ones takes the larger one's k (the cheaper side under load)
+                between two measured ones takes the larger one's k (the cheaper side under load); where
+                the prediction puts it within NOISE_FLOOR of the best fixed k, that fixed k instead (one
+                row: a schedule that gains nothing measurable is only a risk)
   prediction    on a load profile (phases of concurrency and seconds): overall tok/s of the schedule and
                 of every fixed k, each phase at its cell's median (interpolated between measured batches)
 
@@ -31,7 +38,8 @@ import numpy as np
 
 from autotune.bench import load_workload
 from autotune.bench.load_profile import LoadProfile, parse_load_profile
-from autotune.bench.runner import measure_server, warm_up
+from autotune.bench.load_profile import Phase as ProfilePhase
+from autotune.bench.runner import measure_server_profile, warm_up
 from autotune.embedded.draft_schedule import DraftSchedule, ScheduleRow
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space.space import load_space
@@ -46,7 +54,7 @@ NOISE_FLOOR = 0.03
 DEFAULT_LEVELS = (1, 2, 4, 8)
 DRAFT_GRID = (2, 4, 8)  # the sweep's draft lengths besides 0 and the winner's, inside the space's range
 SWEEP_REPEATS = 2
-REQUESTS_PER_STREAM = 2  # a sweep cell at concurrency c sends c x this many requests
+CELL_S = 4.0  # a sweep cell: this long a closed loop at its concurrency (then its requests finish)
 PHASE_ATTR = re.compile(r"phase_c(\d+)_output_tok_s")
 SCHEDULE_FILE = "draft_schedule.yaml"
 FIT_FILE = "draft_schedule_fit.json"  # the table, the choice, the prediction and the trial it was fitted for
@@ -96,6 +104,17 @@ class Prediction:
         return self.schedule_tok_s / self.fixed_tok_s[self.best_fixed_k]
 
 
+def rows_text(schedule: DraftSchedule) -> str:
+    """"1-2: k=8, 3-4: k=4, 5+: off"."""
+    parts, low = [], 1
+    for i, row in enumerate(schedule.rows):
+        last = i == len(schedule.rows) - 1
+        span = f"{low}+" if last else (str(low) if low == row.max_batch else f"{low}-{row.max_batch}")
+        parts.append(f"{span}: " + (f"k={row.draft_length}" if row.draft_length else "off"))
+        low = row.max_batch + 1
+    return ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class ScheduleFit:
     schedule: DraftSchedule
@@ -107,14 +126,7 @@ class ScheduleFit:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def rows_text(self) -> str:
-        """"1-2: k=8, 3-4: k=4, 5+: off"."""
-        parts, low = [], 1
-        for i, row in enumerate(self.schedule.rows):
-            last = i == len(self.schedule.rows) - 1
-            span = f"{low}+" if last else (str(low) if low == row.max_batch else f"{low}-{row.max_batch}")
-            parts.append(f"{span}: " + (f"k={row.draft_length}" if row.draft_length else "off"))
-            low = row.max_batch + 1
-        return ", ".join(parts)
+        return rows_text(self.schedule)
 
     def summary_line(self) -> str:
         line = f"draft schedule ({self.schedule.drafter}): batch {self.rows_text()}"
@@ -182,9 +194,9 @@ def cells_of(measurements: list[Measurement], drafter: str) -> tuple[Cell, ...]:
 
 
 def choose(cells: list[Cell]) -> int:
-    """The draft length of one batch size: the shortest whose interval reaches the best median's low end."""
+    """The draft length of one batch size: the shortest within the noise of the best (module docstring)."""
     best = max(cells, key=lambda c: c.median)
-    return min(c.draft_length for c in cells if c.high >= best.low)
+    return min(c.draft_length for c in cells if c.high >= best.low and c.median >= best.median * (1 - NOISE_FLOOR))
 
 
 def fit(measurements: list[Measurement], drafter: str, phases: list[Phase] | None = None,
@@ -197,15 +209,28 @@ def fit(measurements: list[Measurement], drafter: str, phases: list[Phase] | Non
     for c in cells:
         by_batch.setdefault(c.batch, []).append(c)
     chosen = {b: choose(cs) for b, cs in sorted(by_batch.items())}
+    phases = phases or [Phase(b) for b in chosen]
+    schedule = schedule_of(drafter, chosen)
+    prediction = predict(cells, schedule, phases)
+    if prediction and prediction.ratio < 1 + NOISE_FLOOR and len(set(chosen.values())) > 1:
+        k = prediction.best_fixed_k
+        notes = (*notes, (f"the fitted schedule ({rows_text(schedule)}) was predicted {prediction.ratio:.3f}x "
+                          f"fixed k={k}, within the noise: fixed k={k} kept"))
+        chosen = dict.fromkeys(chosen, k)
+        schedule = schedule_of(drafter, chosen)
+        prediction = predict(cells, schedule, phases)
+    return ScheduleFit(schedule, cells, chosen, prediction, tuple(phases), trial, notes)
+
+
+def schedule_of(drafter: str, chosen: dict[int, int]) -> DraftSchedule:
+    """Rows from per-batch draft lengths (ascending batches), adjacent equal lengths merged."""
     rows: list[ScheduleRow] = []
     for batch, k in chosen.items():
         if rows and rows[-1].draft_length == k:
             rows[-1] = ScheduleRow(max_batch=batch, draft_length=k)
         else:
             rows.append(ScheduleRow(max_batch=batch, draft_length=k))
-    schedule = DraftSchedule(drafter=drafter, rows=tuple(rows))
-    phases = phases or [Phase(b) for b in chosen]
-    return ScheduleFit(schedule, cells, chosen, predict(cells, schedule, phases), tuple(phases), trial, notes)
+    return DraftSchedule(drafter=drafter, rows=tuple(rows))
 
 
 def predict(cells: tuple[Cell, ...], schedule: DraftSchedule, phases: list[Phase]) -> Prediction | None:
@@ -299,10 +324,10 @@ def draft_grid(adapter, winner_k: int | None = None) -> list[int]:
 
 def planned_sweep(adapter, levels: list[int], max_tokens: int, repeats: int = SWEEP_REPEATS) -> Sweep:
     """What the sweep costs the budget before the winner is known (its own k may add one length): one launch
-    where the engine changes k live, else one per k; each cell's streams run REQUESTS_PER_STREAM requests."""
+    where the engine changes k live, else one per k; each cell CELL_S and its last requests' finish."""
     ks = len(draft_grid(adapter)) + 1
     live = adapter.facts.draft_keys[1] in adapter.facts.runtime_params
-    return Sweep(1 if live else ks, ks * len(levels) * repeats, REQUESTS_PER_STREAM * max_tokens)
+    return Sweep(1 if live else ks, ks * len(levels) * repeats, CELL_S, max_tokens)
 
 
 def _config_at(ctx: StudyContext, config: dict, k: int) -> dict:
@@ -314,7 +339,7 @@ def _config_at(ctx: StudyContext, config: dict, k: int) -> dict:
 
 
 def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] | None = None,
-          repeats: int = SWEEP_REPEATS, requests_per_stream: int = REQUESTS_PER_STREAM,
+          repeats: int = SWEEP_REPEATS, cell_s: float = CELL_S,
           max_tokens: int | None = None, launch_timeout_s: float = 300.0, workload=None,
           deadline: float | None = None) -> list[Measurement]:
     """measure_grid on servers of `config`'s launch settings: one, where the engine changes k live. ValueError
@@ -340,16 +365,16 @@ def sweep(ctx: StudyContext, config: dict, levels: list[int], *, ks: list[int] |
             warm_up(server, workload, concurrency=max(levels), max_tokens=max_tokens, seed=seed,
                     request_timeout=launch_timeout_s)
             out += measure_grid(adapter, server, drafter, {k: _config_at(ctx, config, k) for k in group}, levels,
-                                workload=workload, repeats=repeats, requests_per_stream=requests_per_stream,
-                                max_tokens=max_tokens, seed=seed, deadline=deadline)
+                                workload=workload, repeats=repeats, cell_s=cell_s, max_tokens=max_tokens,
+                                seed=seed, deadline=deadline)
         finally:
             server.stop()
     return out
 
 
 def measure_grid(adapter, server, drafter: str, configs: dict[int, dict], levels: list[int], *, workload,
-                 repeats: int = SWEEP_REPEATS, requests_per_stream: int = REQUESTS_PER_STREAM,
-                 max_tokens: int | None = None, seed: int = 0, deadline: float | None = None) -> list[Measurement]:
+                 repeats: int = SWEEP_REPEATS, cell_s: float = CELL_S, max_tokens: int | None = None,
+                 seed: int = 0, deadline: float | None = None) -> list[Measurement]:
     """On one running server: each k's runtime settings (`configs[k]`, applied through the adapter) at each
     concurrency, `repeats` times, the k alternated within a repeat and the order flipped every repeat (drift
     falls on every k alike); stops adding cells at `deadline` (time.time())."""
@@ -361,8 +386,7 @@ def measure_grid(adapter, server, drafter: str, configs: dict[int, dict], levels
                 if deadline is not None and time.time() >= deadline:
                     return out
                 adapter.apply_runtime(server.base_url, adapter.facts.split_runtime(configs[k])[1])
-                s, _ = measure_server(server, workload, concurrency=c, num_requests=c * requests_per_stream,
-                                      max_tokens=max_tokens, seed=seed)
+                s = measure_cell(server, workload, c, cell_s, max_tokens=max_tokens, seed=seed)
                 if not server.alive() or not s.get("completed") or s.get("failed"):
                     raise ValueError(f"schedule sweep: k={k} at concurrency {c}: {s.get('failed')} of "
                                      f"{s.get('sent')} requests failed (see {server.log_path})")
@@ -370,6 +394,12 @@ def measure_grid(adapter, server, drafter: str, configs: dict[int, dict], levels
                 step = s["tpot_ms_p50"] * accept if s.get("tpot_ms_p50") and accept else None
                 out.append(Measurement(drafter, k, c, float(s["output_tok_s"]), accept, step))
     return out
+
+
+def measure_cell(server, workload, concurrency: int, seconds: float, *, max_tokens: int | None, seed: int = 0) -> dict:
+    """One cell: `concurrency` streams kept busy for `seconds`, then drained, as a load profile's phase runs."""
+    profile = LoadProfile((ProfilePhase(concurrency=concurrency, duration_s=seconds),))
+    return measure_server_profile(server, workload, profile, max_tokens=max_tokens, seed=seed)[0]
 
 
 def fit_for_study(ctx: StudyContext, config: dict, trial: int | None, *, levels: list[int] | None = None,

@@ -61,6 +61,27 @@ def test_differences_within_the_noise_keep_the_shorter_draft():
     assert schedule.fit(one_each, "ngram").chosen == {1: 0}
 
 
+def test_two_wide_intervals_are_no_reason_for_a_draft_that_measured_slower():
+    # an H100 sweep's cells at batch 2 (2026-12-05, two repeats each): every interval reaches k = 8's low end,
+    # but k = 2 and k = 4 ran 8% and 3.3% below it by median
+    measured = (rows(0, 2, [1052.7, 933.4]) + rows(2, 2, [1141.2, 1019.4]) + rows(4, 2, [1206.8, 1057.0])
+                + rows(8, 2, [1217.5, 1122.7]))
+    assert schedule.fit(measured, "ngram").chosen == {2: 8}
+
+
+def test_a_schedule_that_gains_nothing_measurable_over_a_fixed_k_is_that_fixed_k():
+    measured = []
+    for batch, plain, drafted in ((1, 100, 120), (8, 500, 490)):
+        measured += rows(0, batch, [plain * 0.99, plain, plain * 1.01])
+        measured += rows(4, batch, [drafted * 0.99, drafted, drafted * 1.01])
+    fit = schedule.fit(measured, "ngram", [Phase(1), Phase(8)])
+    # per batch: k = 4 alone, plain under load (490 is within the noise of 500); on the load that is
+    # (120 + 500) / 2 = 310 against fixed k = 4's (120 + 490) / 2 = 305: 1.016x, within the noise
+    assert fit.chosen == {1: 4, 8: 4} and fit.rows_text() == "1+: k=4"
+    assert fit.prediction.ratio == 1.0 and fit.prediction.best_fixed_k == 4
+    assert fit.notes and "(1: k=4, 2+: off) was predicted 1.016x fixed k=4" in fit.notes[0]
+
+
 def test_cells_carry_medians_and_intervals():
     (cell,) = schedule.cells_of(rows(2, 4, [90.0, 100.0, 110.0]), "ngram")
     assert (cell.batch, cell.draft_length, cell.median, cell.runs) == (4, 2, 100.0, 3)
@@ -71,8 +92,9 @@ def test_the_budget_prices_the_sweep_from_the_studys_benchmarks():
     prices = Prices(warm_launch_s=20.0, cold_launch_s=60.0, bench_s=10.0, request_s=0.5 * ESTIMATOR_TOKENS)  # 0.5 s/token
     planned = schedule.planned_sweep(get_adapter("embedded"), [1, 2, 4, 8], max_tokens=8)
     # the embedded engine changes k live: one launch; 0, 2, 4, 8 and the winner's own k at 4 levels, twice
-    assert planned == Sweep(launches=1, benchmarks=5 * 4 * 2, stream_tokens=schedule.REQUESTS_PER_STREAM * 8)
-    assert planned.seconds(prices) == 20.0 + 40 * 16 * 0.5
+    assert planned == Sweep(launches=1, benchmarks=5 * 4 * 2, cell_s=schedule.CELL_S, request_tokens=8)
+    # each cell: its closed loop, then one request's 8 tokens at the study's pace
+    assert planned.seconds(prices) == 20.0 + 40 * (schedule.CELL_S + 8 * 0.5)
     with_sweep, without = Finish(1, 2, 4, False, sweep=planned), Finish(1, 2, 4, False)
     assert with_sweep.seconds(prices) - without.seconds(prices) == planned.seconds(prices)
     budget = Budget(3600.0, with_sweep, start=0.0)
@@ -89,7 +111,7 @@ def test_sweep_on_a_live_embedded_server_writes_a_schedule_the_engine_takes(tmp_
         workload = load_workload("code", 0)
         configs = {k: {**config, "draft_length": k} for k in (0, 4)}
         measured = schedule.measure_grid(adapter, server, "ngram", configs, [1, 2], workload=workload, repeats=1,
-                                         requests_per_stream=1, max_tokens=16)
+                                         cell_s=0.1, max_tokens=16)  # a request a stream, then their finish
         assert sorted((m.batch, m.draft_length) for m in measured) == [(1, 0), (1, 4), (2, 0), (2, 4)]
         assert all(m.output_tok_s > 0 for m in measured)
         # plain decoding proposes nothing: its tokens per step are one; the drafted cells report their own
@@ -116,7 +138,7 @@ def test_a_fitted_schedule_is_exported_in_a_launch_script_that_runs_it(tmp_path)
     ctx = load_study(outcome.directory, outcome.storage)
     pick = export.chosen(ctx)
     fitted = schedule.fit_for_study(ctx, pick["config"], pick["trial"], levels=[1, 2], ks=[0, 4], repeats=1,
-                                    requests_per_stream=1)
+                                    cell_s=0.1)
     best = outcome.directory / "best"
     assert schedule.read_fit(best) == fitted and DraftSchedule.load(best / schedule.SCHEDULE_FILE) == fitted.schedule
     assert {(c.batch, c.draft_length) for c in fitted.cells} == {(1, 0), (1, 4), (2, 0), (2, 4)}
