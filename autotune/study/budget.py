@@ -38,6 +38,7 @@ class Prices:
     cold_launch_s: float  # the slowest launch
     bench_s: float  # one full benchmark
     request_s: float  # one request alone, ESTIMATOR_TOKENS tokens
+    source: str | None = None  # the earlier study these were read from (price_memory); None: this study's
 
     @classmethod
     def of(cls, trials, concurrency: int) -> Prices | None:
@@ -124,6 +125,7 @@ class Budget:
     total_s: float
     finish: Finish | None = None  # None: the deadline is the search's alone (a worker, a ci re-tune)
     start: float = field(default_factory=time.time)
+    prior: Prices | None = None  # an earlier study's prices on this machine: the plan's until a trial prices it
 
     @property
     def end(self) -> float:
@@ -148,12 +150,14 @@ class Budget:
         return self.end - min(held, self.total_s)
 
     def plan_line(self, prices: Prices | None, configs: int | None = None) -> str:
-        """How the budget will be spent, said at the start (and as the prices change)."""
+        """How the budget will be spent, said at the start (and as the prices change); before the study's own
+        prices, at the prior's."""
         total = f"budget {minutes(self.total_s)}"
         if self.finish is None:
             return f"{total}, all of it for trials"
+        prices = prices or self.prior
         search = self.search_deadline(prices, configs) - self.start
-        if prices is None or prices.warm_launch_s is None:
+        if prices is None or (prices.warm_launch_s is None and not prices.source):  # one launch of its own: cold
             return (f"{total}: trials for about {minutes(search)}, then validation of the top {self.finish.top} "
                     f"({self.finish.repeats} benchmarks each on fresh launches)"
                     + (", the draft-length estimator's passes" if self.finish.estimator_passes else "")
@@ -162,7 +166,22 @@ class Budget:
         return (f"{total}: trials until {minutes(search)}, validation ~{minutes(self.finish.validation_s(prices, configs))}"
                 + (f", estimator ~{minutes(self.finish.estimator_s(prices))}" if self.finish.estimator_passes else "")
                 + (f", schedule sweep ~{minutes(self.finish.sweep_s(prices))}" if self.finish.sweep else "")
-                + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here)")
+                + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here"
+                + (f", as study {prices.source} paid)" if prices.source else ")"))
+
+    def check_holds_a_trial(self, prices: Prices | None, now: float | None = None) -> None:
+        """ValueError (one line) where, at these prices, what is left cannot hold the first trial with its launch
+        and the finish's floor (the exported defaults validated alone): the run would end past its budget."""
+        if prices is None or self.finish is None:
+            return
+        now = time.time() if now is None else now
+        need = prices.launched_trial_s + self.finish.floor_s(prices, configs=1)
+        if (now - self.start) + need > self.total_s:
+            paid = f"as study {prices.source} paid" if prices.source else "here"
+            raise ValueError(
+                f"--budget {minutes(self.total_s)} cannot hold one trial and its validation on this machine: "
+                f"~{minutes(need)} ({paid}: a launch {prices.launch_s:.0f} s, a benchmark {prices.bench_s:.0f} s); "
+                f"--budget {math.ceil(self.budget_for(prices, MORE_TRIALS, now) / 60)}m holds about {MORE_TRIALS} trials")
 
     def budget_for(self, prices: Prices, trials: int, now: float | None = None) -> float:
         """The budget whose search would hold `trials` more trials, each launched (a relaunch priced as

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from autotune import predict, provenance
 from autotune.bench.metric_registry import MAXIMIZE
-from autotune.study import objectives, optuna_compat, packing, record, storage
+from autotune.study import objectives, optuna_compat, packing, price_memory, record, storage
 from autotune.study.budget import Budget, Prices
 from autotune.study.live import LiveView
 from autotune.study.parallel import HEARTBEAT_S, WAIT_S, Heartbeat, fail, fail_stale
@@ -105,6 +105,9 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget
     queue = list(first) + [(config, attrs) for config, attrs in seed_queue(p, study, seeds)
                            if all(config != c for c, _ in first)]
     budget = budget or (Budget(opts.budget_s) if opts.budget_s else None)
+    if budget and budget.finish and not Prices.of(trials, opts.concurrency or 1):  # priced by an earlier run
+        budget.prior = price_memory.earlier_prices(p.directory, {key: getattr(opts, key) for key in price_memory.SAME_LOAD})
+        budget.check_holds_a_trial(budget.prior)
     return run_trials(p, study, budget=budget, console=console, stale_failed=stale, close_queue=True, queue=queue)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import optuna
@@ -16,7 +17,7 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.engines.embedded import EmbeddedAdapter
-from autotune.study import loop, objectives, plan, record, storage
+from autotune.study import loop, objectives, plan, price_memory, record, storage
 from autotune.study import trial as trial_life
 from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
 from autotune.study import budget as budget_mod
@@ -537,6 +538,33 @@ def test_a_stop_for_budget_says_what_a_trial_costs_here_and_which_budget_holds_m
             assert room >= budget_mod.MORE_TRIALS * (1.2 * prices.bench_s + prices.launch_s) - 1.0
         assert budget.search_deadline(prices, configs=2) - budget.start < 134.0  # the stop was right
     assert Budget(360.0, finish).stop_line(None, measured=0) == "budget reached: no new trials"
+
+
+def test_a_budget_an_earlier_run_here_shows_too_small_is_refused_before_any_trial(studies):
+    """SGLang on the H100 (2026-12-05): a 4-minute budget could not hold a trial (a launch ~98 s) and its
+    validation, which the run learnt only from its own first trial, and it ended 39% past the budget. The same
+    command run again now knows this machine's prices from the earlier study (same fingerprint, same load): it
+    says them in its plan, and refuses a budget that cannot hold one trial and the finish's floor."""
+    first = loop.run_study(plan.build(plan.RunOptions(trials=1, study="first", sets=ONE_SERVER, **SMALL)))
+    paid = Prices.of(trials_of(first), SMALL["concurrency"])
+    assert paid is not None and paid.source is None
+
+    again = plan.build(plan.RunOptions(trials=1, study="again", sets=ONE_SERVER, **SMALL))
+    finish = Finish(top=1, repeats=2, quality_prompts=4, estimator_passes=False)
+    budget = Budget(paid.launched_trial_s / 2, finish)
+    with pytest.raises(ValueError, match=r"^--budget \d+ s cannot hold one trial and its validation on this "
+                                         r"machine: .*as study first paid: a launch \d+ s.*--budget \d+m holds"):
+        loop.run_study(again, budget=budget)
+    assert budget.prior == replace(paid, source="first")  # the earlier study's own prices
+    assert len(trials_of(SimpleNamespace(storage=again.storage, name=again.name))) == 0  # nothing ran
+
+    # a budget that holds it: planned at those prices, the source named
+    line = Budget(3600.0, finish, prior=budget.prior).plan_line(None)
+    assert f"a launch {paid.launch_s:.0f} s" in line and "as study first paid" in line
+    # another load (longer requests) is not priced by that study
+    load = {key: getattr(again.opts, key) for key in price_memory.SAME_LOAD}
+    assert price_memory.earlier_prices(again.directory, {**load, "max_tokens": 16}) is None
+    assert price_memory.earlier_prices(again.directory, load) == budget.prior
 
 
 @pytest.mark.slow
