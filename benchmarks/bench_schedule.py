@@ -17,7 +17,7 @@ The embedded engine is one server whose arms are runtime settings (`draft_length
 launch, so it runs one server per arm, all started before the evaluation.
 
     python3 benchmarks/bench_schedule.py --engine embedded [--levels 1,2,4,8] [--ks 0,2,4,8] [--phase-s 20]
-        [--rounds 5] --out benchmarks/results/schedule-DATE
+        [--rounds 5] [--workload code] --out benchmarks/results/schedule-DATE
     python3 benchmarks/bench_schedule.py --engine vllm --out benchmarks/results/schedule-DATE
     python3 benchmarks/bench_schedule.py --engine embedded --gpu --out ...   # bf16 on the GPU, compiled, CUDA graphs
 
@@ -100,9 +100,9 @@ class Arms:
         return server
 
 
-def fit_phase(arms: Arms, levels: list[int], repeats: int, cell_s: float, max_tokens: int, seed: int,
-              console) -> list[Measurement]:
-    workload = load_workload("code", seed)
+def fit_phase(arms: Arms, levels: list[int], repeats: int, cell_s: float, max_tokens: int, workload_name: str,
+              seed: int, console) -> list[Measurement]:
+    workload = load_workload(workload_name, seed)
     for k in arms.ks:  # compiling and warm caches are launch cost, not the first cell's speed
         warm_up(arms.use(k), workload, concurrency=max(levels), max_tokens=max_tokens, seed=seed)
     out = []
@@ -116,8 +116,9 @@ def fit_phase(arms: Arms, levels: list[int], repeats: int, cell_s: float, max_to
     return out
 
 
-def evaluate(arms: Arms, profile, rounds: int, max_tokens: int, seed: int, console) -> dict[str, list[dict]]:
-    workload = load_workload("code", seed)
+def evaluate(arms: Arms, profile, rounds: int, max_tokens: int, workload_name: str, seed: int,
+             console) -> dict[str, list[dict]]:
+    workload = load_workload(workload_name, seed)
     names = ["schedule", *arms.ks]
     warm_up(arms.use("schedule"), workload, concurrency=max(profile.concurrencies()), max_tokens=max_tokens,
             seed=seed)
@@ -141,6 +142,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fit-repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", default="code", help="the prompts of fit and evaluation (chat drafts worse)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads per server (default: the engine's)")
     ap.add_argument("--gpu", action="store_true", help="embedded: bf16 on this machine's GPU, inductor, CUDA graphs")
     ap.add_argument("--fit-seed", type=int, default=1)
@@ -160,11 +162,12 @@ def main():
     started = time.time()
     with ExitStack() as stack:
         arms = Arms(args.engine, base, ks, out / "logs", stack)
-        measured = fit_phase(arms, levels, args.fit_repeats, args.phase_s, args.max_tokens, args.fit_seed, console)
+        measured = fit_phase(arms, levels, args.fit_repeats, args.phase_s, args.max_tokens, args.workload,
+                             args.fit_seed, console)
         fitted = fit(measured, measured[-1].drafter, [Phase(c, args.phase_s) for c in levels])
         arms.schedule = fitted.schedule
         console.print(f"fitted: {fitted.summary_line()}")
-        runs = evaluate(arms, profile, args.rounds, args.max_tokens, args.eval_seed, console)
+        runs = evaluate(arms, profile, args.rounds, args.max_tokens, args.workload, args.eval_seed, console)
         commands = {str(key): server.argv for key, server in arms.servers.items()}
     medians = {k: float(np.median([r["output_tok_s"] for r in runs[str(k)]])) for k in ks}
     best_k = max(medians, key=medians.get)
