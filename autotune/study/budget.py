@@ -169,12 +169,12 @@ class Budget:
                 + f" (a launch {prices.launch_s:.0f} s, the first {prices.cold_launch_s:.0f} s; a benchmark {prices.bench_s:.0f} s here"
                 + (f", as study {prices.source} paid)" if prices.source else ")"))
 
-    def check_holds_a_trial(self, prices: Prices | None, now: float | None = None) -> None:
+    def check_holds_a_trial(self, prices: Prices | None) -> None:
         """ValueError (one line) where, at these prices, what is left cannot hold the first trial with its launch
         and the finish's floor (the exported defaults validated alone): the run would end past its budget."""
         if prices is None or self.finish is None:
             return
-        now = time.time() if now is None else now
+        now = time.time()
         need = prices.launched_trial_s + self.finish.floor_s(prices, configs=1)
         if (now - self.start) + need > self.total_s:
             paid = f"as study {prices.source} paid" if prices.source else "here"

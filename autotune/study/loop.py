@@ -83,8 +83,9 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget
     sampler = objectives.make_sampler(opts.objective, seed=opts.seed)
     study, stale = storage.open_study(p.name, p.storage, objectives.metrics(opts.objective), sampler,
                                       objectives.make_pruner(opts.objective), opts.resume)
-    provenance.write(p.directory / "provenance.json", hardware=p.hardware, adapter=p.adapter, model=opts.model,
-                     draft_model=opts.draft_model, workload=opts.workload, space_source=p.space.source)
+    written = provenance.write(p.directory / "provenance.json", hardware=p.hardware, adapter=p.adapter,
+                               model=opts.model, draft_model=opts.draft_model, workload=opts.workload,
+                               space_source=p.space.source)
     study.set_user_attr("engine", opts.engine)
     study.set_user_attr("objective", opts.objective)
     if p.space.defaults() in p.space.seed_configs():  # validation's baseline, whether or not the run reaches it
@@ -106,7 +107,8 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget
                            if all(config != c for c, _ in first)]
     budget = budget or (Budget(opts.budget_s) if opts.budget_s else None)
     if budget and budget.finish and not Prices.of(trials, opts.concurrency or 1):  # priced by an earlier run
-        budget.prior = price_memory.earlier_prices(p.directory, {key: getattr(opts, key) for key in price_memory.SAME_LOAD})
+        budget.prior = price_memory.earlier_prices(p.directory, written["fingerprint"],
+                                                   {key: getattr(opts, key) for key in price_memory.SAME_LOAD})
         budget.check_holds_a_trial(budget.prior)
     return run_trials(p, study, budget=budget, console=console, stale_failed=stale, close_queue=True, queue=queue)
 

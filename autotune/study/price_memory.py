@@ -19,12 +19,9 @@ SAME_LOAD = ("workload", "concurrency", "num_requests", "max_tokens", "min_measu
 NEWEST = 20  # earlier studies looked at, newest first: the folder may hold hundreds
 
 
-def earlier_prices(directory: Path, load: dict) -> Prices | None:
-    """The prices of the newest other study beside `directory` (whose provenance.json is written) that ran on
-    this fingerprint under `load` (SAME_LOAD's values), with `source` naming it; None where there is none."""
-    fingerprint = read_fingerprint(directory)
-    if fingerprint is None:
-        return None
+def earlier_prices(directory: Path, fingerprint: dict, load: dict) -> Prices | None:
+    """The prices of the newest other study beside `directory` that ran on `fingerprint` (provenance's) under
+    `load` (SAME_LOAD's values), with `source` naming it; None where there is none."""
     candidates = [d for d in directory.parent.iterdir() if d != directory and (d / "study.db").is_file()
                   and read_fingerprint(d) == fingerprint]
     for other in sorted(candidates, key=lambda d: (d / "study.db").stat().st_mtime, reverse=True)[:NEWEST]:

@@ -563,8 +563,9 @@ def test_a_budget_an_earlier_run_here_shows_too_small_is_refused_before_any_tria
     assert f"a launch {paid.launch_s:.0f} s" in line and "as study first paid" in line
     # another load (longer requests) is not priced by that study
     load = {key: getattr(again.opts, key) for key in price_memory.SAME_LOAD}
-    assert price_memory.earlier_prices(again.directory, {**load, "max_tokens": 16}) is None
-    assert price_memory.earlier_prices(again.directory, load) == budget.prior
+    fingerprint = price_memory.read_fingerprint(again.directory)
+    assert price_memory.earlier_prices(again.directory, fingerprint, {**load, "max_tokens": 16}) is None
+    assert price_memory.earlier_prices(again.directory, fingerprint, load) == budget.prior
 
 
 @pytest.mark.slow
