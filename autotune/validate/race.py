@@ -122,7 +122,7 @@ def settle(ctx: StudyContext, winner: dict | None, comparisons: list[dict], resu
     if race_cut:
         chosen = winner
         why = (f"{winner['label']} is fastest by median; the budget ended the race before it beat {others} beyond "
-               f"the noise; exported {winner['label']}, the fastest on the evidence in")
+               f"the noise; exported {winner['label']}, the fastest on the evidence the race gathered")
     else:
         chosen = min(group, key=lambda r: (len(ctx.adapter.effective(r["config"])), sign * r["stats"][metric]["median"]))
         why = (f"{winner['label']} is fastest by median but does not beat {others} beyond the noise; exported "
