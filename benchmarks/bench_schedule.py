@@ -49,13 +49,20 @@ from autotune.study.schedule import Measurement, Phase, fit, measure_cell
 BASE = {  # batch up to the top level, CPU, one model
     "embedded": {"drafter": "ngram", "quantization": "gguf", "device": "cpu", "max_seq_len": 1024, "seed": 0},
     "vllm": {"speculative_method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, "enforce_eager": True,
-             "dtype": "bfloat16", "cpu_kvcache_space": 2, "max_model_len": 1024, "enable_prefix_caching": False},
+             "cpu_kvcache_space": 2, "max_model_len": 1024, "enable_prefix_caching": False},  # dtype: cpu_dtype()
 }
 GPU_EMBEDDED = {"drafter": "ngram", "dtype": "bfloat16", "device": "cuda", "compile": "inductor", "max_seq_len": 1024,
                 "seed": 0}  # graphs for every batch size of the ramp are added per run
 VLLM_SPECULATION = ("speculative_method", "prompt_lookup_min", "prompt_lookup_max")
 SLOTS_KEY = {"embedded": "verify_slots", "vllm": "max_num_seqs"}
 CONFIDENCE = 0.90
+
+
+def cpu_dtype() -> str:
+    """vLLM's CPU dtype: bfloat16 where this CPU computes it natively, else float32 (emulated bf16 ran plain decoding
+    at 4 tok/s on an AVX2-only 2-core machine, a sixth of the AVX-512 machine's bf16)."""
+    cpu = probe("auto").cpu
+    return "bfloat16" if cpu is not None and "bf16" in cpu.native_units() else "float32"
 
 
 def bootstrap_median(values: list[float], resamples: int = 5000, seed: int = 0) -> tuple[float, float, float]:
@@ -155,6 +162,7 @@ def main():
     if args.gpu and args.engine != "embedded":
         ap.error("--gpu: the embedded engine only (vLLM here is its CPU build)")
     base = {**(GPU_EMBEDDED if args.gpu else BASE[args.engine]), SLOTS_KEY[args.engine]: max(levels),
+            **({"dtype": cpu_dtype()} if args.engine == "vllm" else {}),
             **({"cuda_graph_batch_sizes": powers_of_two(max(levels))} if args.gpu else {}),
             **({"threads": args.threads} if args.threads else {})}
     profile = parse_load_profile(",".join(f"{c}:{args.phase_s:g}s" for c in levels))
