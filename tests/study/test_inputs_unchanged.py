@@ -42,7 +42,7 @@ def test_validate_measures_its_own_load_and_leaves_the_studys_alone(tmp_path):
     loop.run_study(plan.build(opts))
     ctx = load_study(tmp_path / "validated")
     before = copy.deepcopy(ctx.load)
-    doc = validate(ctx, settings=ValidationSettings(top=1, repeats=1, quality_prompts=1, quality_tokens=4),
-                   load={"max_tokens": 4}, progress=False)
+    one_round = ValidationSettings(top=1, repeats=1, max_repeats=1, quality_prompts=1, quality_tokens=4)  # no race
+    doc = validate(ctx, settings=one_round, load={"max_tokens": 4}, progress=False)
     assert before["max_tokens"] == 8 and doc.settings["max_tokens"] == 4  # measured with the override...
     assert ctx.load == before  # ...which stayed out of the caller's context
