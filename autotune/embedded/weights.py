@@ -10,7 +10,6 @@ arXiv 2502.14856), whose full-vocabulary ids it lists in its metadata (DRAFT_SUB
 import hashlib
 import json
 import re
-import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from autotune.embedded.bundled import GET_A_MODEL, bundled_gguf_path
+from autotune.embedded.gguf_header import Header, read_header
 from autotune.embedded.model import Linear, ModelArgs, Transformer, rope_tables
 from autotune.embedded.quantize import GGML_BLOCKS
 from autotune.embedded.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -103,15 +103,15 @@ def load_draft_model(path: str, target: LoadedModel, dtype: str = "float32", dev
     """The draft checkpoint for target: a distilled reduced-vocabulary draft borrows the target's input embedding
     (the same tensor, not a copy) and tokenizer; any other checkpoint must number tokens as the target does."""
     file = Path(path).expanduser()
-    reader = _gguf_reader(file) if file.is_file() and file.suffix == ".gguf" else None
-    if reader is None or DRAFT_SUBSET_KEY not in reader.fields:
+    header = read_header(file) if file.is_file() and file.suffix == ".gguf" else None
+    if header is None or DRAFT_SUBSET_KEY not in header.meta:
         draft = load_model(path, dtype, device, max_seq_len)
         check_draft_compatible(target, draft)
         return draft
-    meta = {k: f.contents() for k, f in reader.fields.items()}
+    meta = header.meta
     if meta.get(DRAFT_VOCAB_KEY) != target.tokenizer.vocab_fingerprint():
         raise ValueError(f"draft model {file.name} was distilled from a model with another vocabulary than {target.name}")
-    args, state, blocks = read_gguf_tensors(file, reader, meta, max_seq_len)
+    args, state, blocks = read_gguf_tensors(file, header, max_seq_len)
     subset = torch.tensor(meta[DRAFT_SUBSET_KEY], dtype=torch.long)
     if (args.vocab_size != target.args.vocab_size or len(subset) != state["output.weight"].shape[0]
             or len(subset.unique()) != len(subset) or not 0 <= int(subset.min()) <= int(subset.max()) < args.vocab_size):
@@ -166,35 +166,27 @@ def _skip_init():
 def read_gguf(file: Path, max_seq_len: int | None) -> tuple[ModelArgs, dict, Tokenizer, dict]:
     """The model's args, float32 state, tokenizer, and the raw block rows (numpy uint8 [out, bytes], views
     of the mapped file) of each 2-D tensor in a block format quantize.GGUFLinear runs natively."""
-    reader = _gguf_reader(file)
-    meta = {k: f.contents() for k, f in reader.fields.items()}
+    header = read_header(file)
+    meta = header.meta
     if DRAFT_SUBSET_KEY in meta:
         raise ValueError(f"{file} is a distilled draft model (it borrows its target's embedding and tokenizer): "
                          "serve it with --drafter draft_model --draft-model")
-    args, state, blocks = read_gguf_tensors(file, reader, meta, max_seq_len)
+    args, state, blocks = read_gguf_tensors(file, header, max_seq_len)
     return args, state, tokenizer_from_gguf(meta), blocks
 
 
-def _gguf_reader(file: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(file)
-    except (ValueError, IndexError, struct.error) as e:  # what the gguf package raises on junk
-        raise ValueError(f"{file} is not a readable GGUF file ({e})") from None
-
-
-def read_gguf_tensors(file: Path, reader, meta: dict, max_seq_len: int | None) -> tuple[ModelArgs, dict, dict]:
-    """args, float32 state and native block rows of an opened GGUF (see read_gguf)."""
+def read_gguf_tensors(file: Path, header: Header, max_seq_len: int | None) -> tuple[ModelArgs, dict, dict]:
+    """args, float32 state and native block rows of a GGUF's header (see read_gguf)."""
     from gguf.quants import dequantize
 
+    meta = header.meta
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{file}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or any(
-            t.name == "rope_freqs.weight" for t in reader.tensors):
+            t.name == "rope_freqs.weight" for t in header.tensors):
         raise ValueError(f"{file}: RoPE scaling is not supported")
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in header.tensors}
     heads = meta[f"{arch}.attention.head_count"]
     dim = meta[f"{arch}.embedding_length"]
     args = ModelArgs(
@@ -209,7 +201,7 @@ def read_gguf_tensors(file: Path, reader, meta: dict, max_seq_len: int | None) -
         tie_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
     )
     state, blocks = {}, {}
-    for t in reader.tensors:
+    for t in header.tensors:
         try:
             values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
         except NotImplementedError:

@@ -105,9 +105,9 @@ class EmbeddedAdapter(EngineAdapter):
         path = Path(model) if model else bundled_gguf_path()
         if path.is_dir():
             return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
-        import gguf
+        from autotune.embedded.gguf_header import read_header
 
-        return tokenizer_from_gguf({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+        return tokenizer_from_gguf(read_header(path).meta)
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):
         unknown = set(config) - set(DEFAULTS)

@@ -5,12 +5,12 @@ import json
 import time
 from pathlib import Path
 
-import gguf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.bench import load_workload
 from autotune.embedded.bundled import bundled_gguf_path
 from autotune.embedded.config import EngineConfig
+from autotune.embedded.gguf_header import read_header
 from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import Launcher, launch
@@ -70,7 +70,7 @@ def chat_renderer(model: str | None):
     if path.is_dir():
         tokenizer = tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
     else:
-        tokenizer = tokenizer_from_gguf({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+        tokenizer = tokenizer_from_gguf(read_header(path).meta)
     return tokenizer.apply_chat_template
 
 

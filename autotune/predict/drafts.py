@@ -58,12 +58,12 @@ def read_draft(name: str, kind: str | None = None) -> DraftCheckpoint:
 
 def _gguf_architecture(path: Path) -> str:
     """general.architecture of a GGUF file (a draft need not carry general.file_type, which read_header wants)."""
-    import gguf
+    from autotune.embedded.gguf_header import read_header
 
-    try:
-        return str(gguf.GGUFReader(path).fields["general.architecture"].contents())
-    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueErrors/struct errors on junk
-        raise ValueError(f"{path}: not a usable GGUF file ({type(e).__name__}: {e})") from None
+    meta = read_header(path).meta  # ValueError naming the file for junk
+    if "general.architecture" not in meta:
+        raise ValueError(f"{path}: its GGUF header names no general.architecture")
+    return str(meta["general.architecture"])
 
 
 def _hub_snapshot(repo_id: str) -> Path | None:

@@ -93,22 +93,21 @@ def read_header(path: str | Path) -> GGUFHeader:
 
 @functools.lru_cache(maxsize=64)
 def _read_header(path: Path, mtime_ns: int) -> GGUFHeader:
-    import gguf  # reading the header (with its vocabulary) takes a second or two: cached per file version
+    import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueErrors/struct errors on junk
-        raise ValueError(f"{path}: not a usable GGUF file ({type(e).__name__}: {e})") from None
-    fields = reader.fields
+    from autotune.embedded import gguf_header  # the header read once per file version (seconds), kept on disk
+
+    header = gguf_header.read_header(path)  # ValueError naming the file for junk
+    fields = header.meta
     if "general.file_type" not in fields:
         raise ValueError(f"{path}: its header has no general.file_type, so its weight format is unknown")
-    number = int(fields["general.file_type"].contents())
+    number = int(fields["general.file_type"])
     if number not in {t.value for t in gguf.LlamaFileType}:
         raise ValueError(f"{path}: general.file_type {number} is not a type the installed gguf package names")
     name = gguf.LlamaFileType(number).name.removeprefix("MOSTLY_").removeprefix("ALL_")  # Q4_K_M, F32
-    sizes = {t.name: TensorSize(int(t.n_elements), int(t.n_bytes)) for t in reader.tensors}
-    parts = int(fields["split.count"].contents()) if "split.count" in fields else 1
-    return GGUFHeader(str(fields["general.architecture"].contents()), name, parts, sizes.get("token_embd.weight"),
+    sizes = {t.name: TensorSize(t.n_elements, t.n_bytes) for t in header.tensors}
+    parts = int(fields["split.count"]) if "split.count" in fields else 1
+    return GGUFHeader(str(fields["general.architecture"]), name, parts, sizes.get("token_embd.weight"),
                       sizes.get("output.weight"))
 
 

@@ -310,16 +310,16 @@ def _safetensors_params(directory: Path) -> float | None:
 
 @functools.lru_cache(maxsize=8)
 def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
-    """Cached per file version: parsing a GGUF header takes seconds."""
-    import gguf
+    """Cached per file version (the header on disk too: parsing it takes seconds)."""
+    from autotune.embedded.gguf_header import read_header
 
+    header = read_header(file)  # ValueError naming the file for junk
+    meta = header.meta
     try:
-        reader = gguf.GGUFReader(file)
-        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
         arch = meta["general.architecture"]
         heads, hidden = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.embedding_length"])
-        names = {t.name for t in reader.tensors}
-        vocab = meta.get(f"{arch}.vocab_size") or next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+        names = {t.name for t in header.tensors}
+        vocab = meta.get(f"{arch}.vocab_size") or next(int(t.shape[1]) for t in header.tensors if t.name == "token_embd.weight")
         layers = int(meta[f"{arch}.block_count"])
         # MoE and MLA keys as llama.cpp's convert_hf_to_gguf.py writes them (gguf-py constants.py, Keys.LLM)
         experts = int(meta.get(f"{arch}.expert_count") or 0)
@@ -330,7 +330,7 @@ def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
             kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
             intermediate=int(meta.get(f"{arch}.feed_forward_length") or expert_width), vocab=int(vocab),
-            params=float(sum(int(t.n_elements) for t in reader.tensors)),
+            params=float(sum(int(t.n_elements) for t in header.tensors)),
             tied_embeddings="output.weight" not in names, source=str(file),
             max_context=int(meta[f"{arch}.context_length"]) if meta.get(f"{arch}.context_length") else None,
             experts=experts, experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0),
