@@ -27,7 +27,6 @@ from autotune.bundle.resolve import Resolution, ResolveError, Resolver
 from autotune.bundle.script import Carried, install_script, write_install_script
 from autotune.bundle.split import Part, batches, parse_size, split_file
 from autotune.bundle.target import Target, read_freeze
-from autotune.engines import get_adapter
 
 PACK_FROM = 4 << 20  # smaller wheels travel as they are: packing saves them little for the time it takes
 
@@ -107,6 +106,8 @@ def bundle(
 ) -> None:
     """Bundle an engine release that matches the target's torch and CUDA, with the wheels it lacks, for an
     offline install: wheels, parts of --part-size, install.sh with checksums, manifest.json."""
+    from autotune.engines import get_adapter  # here: every CLI start (a server's too) paid 0.7 s for it
+
     try:
         limit = parse_size(part_size)
         installed = read_freeze(target_freeze)
