@@ -32,10 +32,10 @@
 #   the llama build and `prewarm` its first launch took 2.3 min and the run went 39% over its budget. A file made
 #   inside the repository on the device is gone at the next call (each call copies this tree again): keep
 #   scripts under ~, and give a second run of a step its own GOUT folder.
-# The embedded engine alone (prewarm, schedule, ENGINE=embedded tune) should need only those wheels (not yet tried on
-# a device: none started on 2026-12-05 evening): the H100 of 2026-12-05 lacked pydantic, zstandard and uvicorn,
-# which an earlier, hand-picked set left out (the SGLang bundle, 7 transfers more, stood in for them); only SGLang
-# itself needs `install`.
+# The embedded engine alone (prewarm, schedule, ENGINE=embedded tune) needs only those wheels: on a bare H100 on
+# 2026-12-06 the three pieces went over in 0.2 s of command time each and `autotune` installed and imported (the
+# machine was taken back before a GPU serve ran); an earlier, hand-picked set lacked pydantic, zstandard and uvicorn
+# (the SGLang bundle, 7 transfers more, stood in for them). Only SGLang itself needs `install`.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=${GOUT:-~/g}
