@@ -1,4 +1,5 @@
 """autotune: find, prove and hand over the fastest launch configuration of a speculative-decoding LLM server."""
+import os
 from importlib import metadata, resources
 from pathlib import Path
 
@@ -30,3 +31,9 @@ def shipped_folder(name: str) -> Path:
     itself."""
     packaged = package_path(name)
     return packaged if packaged.is_dir() else PROJECT_ROOT / name
+
+
+def cache_dir(*parts: str) -> Path:
+    """Where builds, installs and parsed files are kept between runs: $AUTOTUNE_CACHE, else ~/.cache/autotune (the
+    setup scripts use the same)."""
+    return Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune", *parts)

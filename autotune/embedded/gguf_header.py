@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from autotune import cache_dir
+
 FORMAT = 1  # of the cached JSON; a change makes earlier entries misses
 PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                "I32": np.int32, "I64": np.int64}  # stored as numbers, not blocks (gguf_reader's own split)
@@ -69,7 +71,7 @@ def read_header(path: str | Path) -> Header:
 @functools.lru_cache(maxsize=16)
 def _read(path: Path, size: int, mtime_ns: int) -> Header:
     key = hashlib.sha256(f"{FORMAT}|{version('gguf')}|{path}|{size}|{mtime_ns}".encode()).hexdigest()[:24]
-    cached = _cache_dir() / f"{path.stem}-{key}.json"
+    cached = cache_dir("gguf", f"{path.stem}-{key}.json")
     try:
         doc = json.loads(cached.read_text())
     except (OSError, ValueError):
@@ -90,10 +92,6 @@ def _parse(path: Path) -> dict:
     return {"meta": {k: f.contents() for k, f in reader.fields.items()},
             "tensors": [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.n_elements), int(t.n_bytes),
                          int(t.data_offset)] for t in reader.tensors]}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "gguf"
 
 
 def _store(cached: Path, doc: dict) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autotune import cache_dir
 from autotune.embedded.bundled import bundled_gguf_path
 
 CHECK_PROMPTS = ("Write a Python function that adds two numbers.", "What is the capital of France?")
@@ -39,7 +40,7 @@ print(json.dumps(out))
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "models"
+    return cache_dir("models")
 
 
 def embedded_greedy(prompts=CHECK_PROMPTS, n: int = CHECK_TOKENS) -> list[list[int]]:

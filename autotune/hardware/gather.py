@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from autotune import cache_dir
+
 # Per-device NVML getters that take only the handle; their results go into the evidence under their own names.
 NVML_DEVICE_CALLS = (
     "nvmlDeviceGetName",
@@ -186,7 +188,7 @@ def llama_server_binary() -> str | None:
     """--engine-binary (AUTOTUNE_LLAMA_SERVER), else the newest build in the cache, else PATH."""
     if os.environ.get(LLAMA_SERVER_ENV):
         return os.environ[LLAMA_SERVER_ENV]
-    cache = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / "llama.cpp"
+    cache = cache_dir("llama.cpp")
     built = sorted(cache.glob("*/bin/llama-server"), key=lambda p: p.stat().st_mtime, reverse=True)
     return str(built[0]) if built else shutil.which("llama-server")
 
@@ -239,7 +241,7 @@ def engine_python(engine: str) -> str | None:
     given = os.environ.get(engine_python_env(engine))
     if given:
         return given if python_engine_version(given, engine) else None
-    cache = Path(os.environ.get("AUTOTUNE_CACHE") or Path.home() / ".cache" / "autotune") / engine
+    cache = cache_dir(engine)
     venvs = sorted((p for p in cache.glob("*/venv/bin/python") if (p.parents[2] / "installed").is_file()),
                    key=lambda p: (p.parents[2] / "installed").stat().st_mtime, reverse=True)
     return next((str(p) for p in [*venvs, Path(sys.executable)] if python_engine_version(str(p), engine)), None)
