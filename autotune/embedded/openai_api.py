@@ -198,7 +198,10 @@ def _encode(tokenizer, text: str, param: str, max_seq_len: int) -> list[int]:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise BadRequest(f"'{param}' is not valid Unicode (a lone surrogate escape)", param) from None
-    return tokenizer.encode(text)
+    ids = tokenizer.encode(text)
+    if not ids:  # e.g. "\x1d": the tokenizer's normalizer drops it, leaving nothing to condition on
+        raise BadRequest(f"'{param}' has no tokens: the model's tokenizer reads {text!r} as nothing", param)
+    return ids
 
 
 @functools.cache

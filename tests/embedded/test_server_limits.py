@@ -20,8 +20,11 @@ from conftest import EmbeddedServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autotune.embedded.bundled import bundled_gguf_path
 from autotune.embedded.config import MAX_DRAFT_LENGTH
+from autotune.embedded.gguf_header import read_header
 from autotune.embedded.openai_api import INT32_MAX, ROLES, UNSUPPORTED
+from autotune.embedded.tokenizer import tokenizer_from_gguf
 
 CONTEXT = 512  # the allowed bodies' prompts stay far below it, whatever characters they hold
 VOCAB = 49152  # the bundled SmolLM2-135M's
@@ -84,9 +87,14 @@ def message():
     return st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": content}, optional={"name": nonempty})
 
 
+# A prompt the tokenizer reads as no tokens at all ("\x1d": its normalizer drops it) is refused, naming 'prompt'.
+TOKENIZER = tokenizer_from_gguf(read_header(bundled_gguf_path()).meta)
+tokens = nonempty.filter(lambda t: TOKENIZER.encode(t))
+
+
 def prompt():
     ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)
-    return st.one_of(nonempty, ids, nonempty.map(lambda t: [t]), ids.map(lambda i: [i]))
+    return st.one_of(tokens, ids, tokens.map(lambda t: [t]), ids.map(lambda i: [i]))
 
 
 @st.composite
@@ -139,7 +147,8 @@ def refused(draw, api: str, model: str) -> tuple[bytes, str | None]:
             st.just(["hi"])))
     elif kind == "prompt":
         body["prompt"] = draw(st.one_of(
-            st.just(""), st.just([]), st.integers(), st.just({"text": "hi"}), st.lists(nonempty, min_size=2, max_size=3),
+            st.just(""), st.just("\x1d"), st.just([]), st.integers(), st.just({"text": "hi"}),
+            st.lists(nonempty, min_size=2, max_size=3),
             st.lists(st.integers(VOCAB, 10**12), min_size=1, max_size=3), st.just([-1]), st.just([True])))
     else:  # not a JSON object at all
         param = None
@@ -219,6 +228,17 @@ def test_refused_bodies_get_400_naming_the_field_before_the_engine_sees_them(ser
     # Refused up front, not after the engine took it (submitted, prefilled or generated): counted, not timed,
     # so that a loaded machine answers as slowly as it must.
     assert engine_work(server) == before and len(before) == len(ENGINE_WORK), (raw[:300], before)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_of_no_tokens_is_refused_naming_it(server, stream):
+    """Hypothesis's find on a fresh clone: "\x1d" is a non-empty string the tokenizer reads as no tokens, and the
+    engine's "the prompt is empty" came back as a 500 server_error."""
+    raw = json.dumps({"prompt": "\x1d", "max_tokens": 1, "stream": stream}).encode()
+    before = engine_work(server)
+    response, _ = post(server, "completions", raw)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert engine_work(server) == before
 
 
 def test_server_stays_healthy_and_metrics_count_every_request(server):
