@@ -100,13 +100,12 @@ class EmbeddedAdapter(EngineAdapter):
     def tokenizer(self, model):
         """The checkpoint's own tokenizer: the GGUF's vocabulary (the bundled one when none is given) or a
         safetensors directory's tokenizer.json; the weights are not read."""
+        from autotune.embedded.gguf_header import read_header
         from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
-        path = Path(model) if model else bundled_gguf_path()
+        path = Path(model).expanduser() if model else bundled_gguf_path()
         if path.is_dir():
             return tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
-        from autotune.embedded.gguf_header import read_header
-
         return tokenizer_from_gguf(read_header(path).meta)
 
     def command(self, config, *, model, draft_model, host, port, extra_args=()):

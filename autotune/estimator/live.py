@@ -8,10 +8,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.bench import load_workload
-from autotune.embedded.bundled import bundled_gguf_path
 from autotune.embedded.config import EngineConfig
-from autotune.embedded.gguf_header import read_header
-from autotune.embedded.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.engines.launcher import Launcher, launch
 
@@ -66,12 +63,7 @@ def requests_of(workloads: list[str], *, exclude: list[dict] = (), max_tokens: i
 
 def chat_renderer(model: str | None):
     """messages -> the text the embedded engine's model sees (its chat template), from the checkpoint's metadata."""
-    path = Path(model).expanduser() if model else bundled_gguf_path()
-    if path.is_dir():
-        tokenizer = tokenizer_from_hf_dir(path, json.loads((path / "config.json").read_text()))
-    else:
-        tokenizer = tokenizer_from_gguf(read_header(path).meta)
-    return tokenizer.apply_chat_template
+    return EmbeddedAdapter().tokenizer(model).apply_chat_template
 
 
 def progress(total: int, label: str):
