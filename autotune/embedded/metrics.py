@@ -14,6 +14,8 @@ Metrics served on GET /metrics (all engine-wide, since start):
   autotune_spec_accept_rate                gauge    accepted / proposed draft tokens
   autotune_spec_draft_seconds_total        counter  time spent drafting
   autotune_spec_verify_seconds_total       counter  time spent in target verify/decode passes
+  autotune_startup_compile_seconds         gauge    seconds compiling and capturing CUDA graphs before /health
+                                                    answered (what a relaunch's compile cache may save)
   autotune_spec_batch_steps_total{batch}   counter  decode steps of `batch` sequences (what a draft schedule reads)
   autotune_spec_batch_draft_tokens_total{batch} counter  tokens proposed in those steps
   autotune_http_requests_total{path,status} counter HTTP requests answered, refused ones included (499:
@@ -45,6 +47,8 @@ METRICS = (
     ("accept_rate", "autotune_spec_accept_rate", "gauge", "Accepted / proposed draft tokens."),
     ("draft_seconds_total", "autotune_spec_draft_seconds_total", "counter", "Seconds spent drafting."),
     ("verify_seconds_total", "autotune_spec_verify_seconds_total", "counter", "Seconds spent verifying."),
+    ("warmup_seconds", "autotune_startup_compile_seconds", "gauge",
+     "Seconds spent compiling and capturing CUDA graphs before the server answered."),
 )
 FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 # (Engine.stats() key of a {batch size: count} dict, counter name, help)

@@ -63,6 +63,7 @@ class EmbeddedAdapter(EngineAdapter):
         default_load={"concurrency": 4, "num_requests": 8, "max_tokens": 48},
         default_budget_s=11 * 60,
         runtime_params=frozenset(engine_config.RUNTIME_KNOBS),
+        startup_compile_gauge="autotune_startup_compile_seconds",  # inductor's cache (TORCHINDUCTOR_CACHE_DIR)
         draft_keys=("drafter", "draft_length"),
         spec_counters=("autotune_spec_verify_steps_total", "autotune_spec_draft_tokens_total",
                        "autotune_spec_accepted_tokens_total"),

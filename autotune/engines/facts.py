@@ -36,6 +36,9 @@ class EngineFacts:
         default_factory=lambda: {"concurrency": 32, "num_requests": 128, "max_tokens": 256})
     default_budget_s: float | None = None
     runtime_params: frozenset[str] = frozenset()
+    # the /metrics gauge of the seconds a launch spent compiling before it answered, for an engine whose compile
+    # cache serves the relaunch of a configuration already run (the budget then prices a relaunch without it).
+    startup_compile_gauge: str | None = None
     # report and the draft-length schedule: (config key naming the drafter, the space's key of its draft length:
     # the length itself reads and writes through the adapter's draft_length / with_draft_length).
     draft_keys: tuple[str | None, str | None] = (None, None)

@@ -23,6 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune import predict
+from autotune.bench import server_metrics
 from autotune.bench.load_profile import KEY_PREFIX
 from autotune.bench.metric_registry import HEADLINE
 from autotune.bench.runner import measure_server, measure_server_profile, sized_load, warm_up, warm_up_profile
@@ -202,6 +203,11 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
         attrs["env"] = launch["env"]
     if "placement" in launch:
         attrs["placement"] = launch["placement"]
+    gauge = p.adapter.facts.startup_compile_gauge
+    if how == "launched" and gauge:  # the part of this launch a relaunch's compile cache saves (the budget's prices)
+        compiled = (server_metrics.scrape(servers.server.base_url) or {}).get(gauge)
+        if compiled is not None:
+            attrs["timings"]["compile_s"] = round(compiled, 3)
 
     # 4. warm-up: compiling and capturing CUDA graphs happen at the first requests of each shape. They
     # are launch cost (in the trial's time, so the budget weighs them) and bounded by the launch timeout,

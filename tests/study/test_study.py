@@ -391,6 +391,7 @@ def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, tiny_chec
     plain = plan.RunOptions(trials=1, study="compiled", sets=[*pins, "compile=none"], model=tiny_checkpoint, **load)
     first = trials_of(loop.run_study(plan.build(plain)))[0]
     assert first.user_attrs["status"] == "ok" and first.user_attrs["warmup_s"] > 0
+    assert first.user_attrs["timings"]["compile_s"] == 0.0  # the engine's own report: nothing compiled at start-up
     limit = max(trial_life.QUICK_TIMEOUT_FLOOR_S, trial_life.QUICK_TIMEOUT_FACTOR * first.user_attrs["quick"]["duration_s"])
     hold = limit + 1.0  # longer than the limit by construction: a quick wave that paid it would time out
     compiled = plan.build(plan.RunOptions(**{**plain.__dict__, "sets": [*pins, "compile=aot_eager"], "resume": True,
@@ -403,14 +404,17 @@ def test_compile_is_warmed_up_not_pruned_for_its_compile_time(studies, tiny_chec
     # The hold was paid in the warm-up's first wave (a wait: at least `hold` on any machine), not in the quick wave.
     assert a["warmup_waves_s"][0] >= hold - 1e-3 and a["timings"]["warmup_s"] == a["warmup_s"] >= hold - 1e-3
     assert a["timings"]["total_s"] > a["timings"]["launch_s"] + a["warmup_s"]  # in the trial's time: what the budget counts
+    # the engine compiled before it answered and said so on /metrics: the part a relaunch's cache saves
+    assert 0 < a["timings"]["compile_s"] < a["timings"]["launch_s"]
 
 
 # -- the budget and launch sharing (issues 16 point 6, 30 points 1-2) ---------------------------------------
-def priced_trial(warmup_s: float) -> optuna.trial.FrozenTrial:
-    """A measured trial as the loop records it: launched in 10 s, warmed up, 16 tokens benchmarked in 8 s."""
+def priced_trial(warmup_s: float, launch_s: float = 10.0, tokens: int = 16, **reported) -> optuna.trial.FrozenTrial:
+    """A measured trial as the loop records it: launched (by default in 10 s), warmed up, 16 tokens (by default)
+    benchmarked in 8 s; `reported`: timings the engine gave (compile_s)."""
     return optuna.trial.create_trial(value=1.0, user_attrs={
-        "status": record.OK, "launch": "launched", "metrics": {"total_output_tokens": 16},
-        "timings": {"launch_s": 10.0, "warmup_s": warmup_s, "bench_s": 8.0}})
+        "status": record.OK, "launch": "launched", "metrics": {"total_output_tokens": tokens},
+        "timings": {"launch_s": launch_s, "warmup_s": warmup_s, "bench_s": 8.0, **reported}})
 
 
 def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
@@ -450,6 +454,25 @@ def test_prices_charge_a_cold_compile_once_and_the_finish_is_held_back():
     assert fitting_round(prices, finish.validation_s(prices, 2, 3), 3, 3, 4) == (1, 3)
     assert fitting_round(prices, finish.validation_s(prices, 2, 2), 3, 3, 4) == (1, 2)
     assert fitting_round(prices, 1.0, 3, 3, 4) == (1, 2)
+
+
+def test_a_first_launch_that_compiled_does_not_price_validations_relaunches():
+    """The H100 at concurrency 8 (2026-12-06): the first launch took 180 s, 161 s of it compiling before the
+    engine answered; validation priced each relaunch at 180 s, held 6.6 of 10 minutes back for its floor and
+    stopped the search after that one trial (the relaunch then took 52 s: inductor's cache). With the compile
+    the engine reported, a relaunch is priced without it, and the deadline holds back the unpriced third."""
+    finish = Finish(top=2, repeats=2, quality_prompts=4, estimator_passes=True)
+    reported = Prices.of([priced_trial(2.0, 178.0, 16000, compile_s=161.0)], concurrency=8)
+    assert reported.launch_s == pytest.approx(180.0 - 161.0) and reported.cold_launch_s == 180.0
+    assert Budget(600, finish, start=0.0).search_deadline(reported) == pytest.approx(400)
+    unreported = Prices.of([priced_trial(2.0, 178.0, 16000)], concurrency=8)  # an engine that says nothing
+    assert unreported.launch_s == 180.0
+    assert Budget(600, finish, start=0.0).search_deadline(unreported) == pytest.approx(600 - finish.floor_s(unreported))
+    assert 600 - finish.floor_s(unreported) < 240  # what the H100 run did: a deadline before its second trial
+    # once a second launch is seen, it prices the relaunch, whatever the first compiled
+    both = Prices.of([priced_trial(2.0, 178.0, 16000, compile_s=161.0),
+                      priced_trial(2.0, 56.0, 16000, compile_s=38.0)], 8)
+    assert both.launch_s == 58.0
 
 
 def test_a_benchmark_is_sized_to_last_its_least_length_at_the_pace_its_wave_showed():
