@@ -39,10 +39,6 @@ print(json.dumps(out))
 """
 
 
-def cache_root() -> Path:
-    return cache_dir("models")
-
-
 def embedded_greedy(prompts=CHECK_PROMPTS, n: int = CHECK_TOKENS) -> list[list[int]]:
     """The embedded engine's greedy ids for each chat prompt (up to a stop token), from the bundled GGUF, float32
     on the CPU."""
@@ -83,7 +79,7 @@ def bundled_hf_dir(python: str) -> Path:
     from autotune.embedded.hf_export import write_hf_dir
     from autotune.embedded.weights import BUNDLED_SHA256
 
-    final = cache_root() / f"smollm2-135m-instruct-{BUNDLED_SHA256[:12]}-hf"
+    final = cache_dir("models", f"smollm2-135m-instruct-{BUNDLED_SHA256[:12]}-hf")
     if (final / CHECKED).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -87,16 +87,11 @@ def read_header(path: str | Path) -> GGUFHeader:
     """A GGUF file's architecture, weight format and the sizes of its embedding and head; ValueError (one
     line) for a file that is no GGUF or has no general.file_type (llama-quantize and convert_hf_to_gguf.py
     write it)."""
-    path = Path(path).resolve()
-    return _read_header(path, path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def _read_header(path: Path, mtime_ns: int) -> GGUFHeader:
     import gguf
 
     from autotune.embedded import gguf_header  # the header read once per file version (seconds), kept on disk
 
+    path = Path(path).resolve()
     header = gguf_header.read_header(path)  # ValueError naming the file for junk
     fields = header.meta
     if "general.file_type" not in fields:

@@ -211,11 +211,11 @@ def load_model(name_or_path: str | Path | None) -> ModelSpec:
     if path.is_dir() and not (path / "config.json").is_file():
         for file in sorted(path.glob("*.gguf")):  # one model's GGUF files (llama.cpp's gguf_type): shapes alike
             try:
-                return _from_gguf(file.resolve(), file.stat().st_mtime_ns)
+                return _from_gguf(file)
             except ValueError:  # a vision projector or a later part of a split model
                 continue
     if path.suffix == ".gguf" and path.is_file():
-        return _from_gguf(path.resolve(), path.stat().st_mtime_ns)
+        return _from_gguf(path)
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
         return _from_hf_config(config)
@@ -308,9 +308,8 @@ def _safetensors_params(directory: Path) -> float | None:
         return None
 
 
-@functools.lru_cache(maxsize=8)
-def _from_gguf(file: Path, mtime_ns: int) -> ModelSpec:
-    """Cached per file version (the header on disk too: parsing it takes seconds)."""
+def _from_gguf(file: Path) -> ModelSpec:
+    """From the GGUF header (read_header keeps it per file version, in memory and on disk)."""
     from autotune.embedded.gguf_header import read_header
 
     header = read_header(file)  # ValueError naming the file for junk

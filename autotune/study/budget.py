@@ -54,8 +54,8 @@ class Prices:
         per_token = statistics.median(a["timings"]["bench_s"] * concurrency / a["metrics"]["total_output_tokens"]
                                       for a in timed)
         return cls(warm_launch_s=statistics.median(s for s, _ in launches[:-1]) if len(launches) > 1 else None,
-                   cold_launch_s=launches[-1][0], cold_compile_s=launches[-1][1], bench_s=statistics.median(a["timings"]["bench_s"] for a in timed),
-                   request_s=per_token * ESTIMATOR_TOKENS)
+                   cold_launch_s=launches[-1][0], cold_compile_s=launches[-1][1],
+                   bench_s=statistics.median(a["timings"]["bench_s"] for a in timed), request_s=per_token * ESTIMATOR_TOKENS)
 
     @property
     def launch_s(self) -> float:
