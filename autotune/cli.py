@@ -208,7 +208,7 @@ def run(
     workload: str = typer.Option("code", help="chat, code, mixed, ... or a JSONL/ShareGPT file"),
     slo: str = typer.Option(None, help='e.g. "p95_ttft_ms<500; p95_itl_ms<=40" (default: none)'),
     objective: str = typer.Option("throughput", help="throughput | latency | pareto"),
-    trials: int = typer.Option(None, help="measured trials at most (default: 25)"),
+    trials: int = typer.Option(None, help="measured trials at most (default 25, none with --budget)"),
     budget: str = typer.Option(None, help="wall clock of the whole run, e.g. 30m, 1h (default: the engine's)"),
     study: str = typer.Option(None, help="study name (default: <engine>-<workload>-<time>)"),
     studies_dir: str = _studies_dir_option(),

@@ -138,5 +138,5 @@ class LiveView:
             if gain is not None and default is not None:
                 c.print(f"gain over the engine defaults (trial {default.number}, same study): [bold]{gain:.2f}x[/]")
             else:
-                c.print("the engine defaults were not measured in this study: no gain to report")
+                c.print("the engine defaults were not among the trials: the search alone shows no gain over them")
         c.print(f"launches: {launches}, saved by reusing a running server: {saved}; study in {directory}")

@@ -116,8 +116,8 @@ def run_study(p: Plan, console=None, first: list[tuple[dict, dict]] = (), budget
 def run_trials(p: Plan, study: optuna.Study, *, budget: Budget | None, console=None, stale_failed: int = 0,
                close_queue: bool = False, queue: list[tuple[dict, dict]] = ()) -> Outcome:
     """Run trials (`queue`'s (config, user attrs) first, in order) until the study holds opts.trials measured
-    ones, the budget's search deadline would be overrun, the space is exhausted, or Ctrl-C; then record the
-    totals. `close_queue`: the study's own run closes trials another process queued in the storage and nobody
+    ones (None: no count), the budget's search deadline would be overrun, the space is exhausted, or Ctrl-C;
+    then record the totals. `close_queue`: the study's own run closes trials another process queued in the storage and nobody
     reached (a worker leaves them to the others)."""
     opts = p.opts
     (p.directory / "logs").mkdir(parents=True, exist_ok=True)
@@ -235,7 +235,7 @@ class Fleet:
         self.p = p
         self.pool, self.ports = packing.GpuPool.for_hardware(p.hardware), packing.PortBook()
         self.aborted = False  # Ctrl-C twice, or a runner failed: stop at once
-        self.out_of_time = False
+        self.ended = False  # the search ended and said why (budget, trial count, an exhausted space)
         self.budget: Budget | None = None
         self.priced = False  # the budget's plan was said again once trials priced it
         self.servers = [Servers(p, slot=packing.Slot(self.pool, self.ports, lambda: self.aborted, adapter=p.adapter))
@@ -353,13 +353,22 @@ class Fleet:
             self.study.enqueue_trial(self.p.space.trial_params(known), user_attrs=attrs)
         return self.study.ask()
 
+    def _end(self, why: str) -> None:
+        """No next trial: say why, once (every runner asks again)."""
+        if not self.ended:
+            self.ended = True
+            self.view.note(why)
+
     def _next_trial(self, servers) -> optuna.Trial | None:
         """Ask the study for one more trial, wait while the trials in flight may still complete it, or stop."""
         opts = self.p.opts
         while True:
             with self.lock:
-                if self.aborted or self.stop_request.requested or self.idle >= MAX_IDLE_ASKS:
+                if self.aborted or self.stop_request.requested:
                     return None
+                if self.idle >= MAX_IDLE_ASKS:
+                    return self._end(f"search ended: {MAX_IDLE_ASKS} trials in a row measured nothing "
+                                     "(rejected or already measured): the space is exhausted")
                 if self.budget:
                     prices, configs = self.prices(), self.validation_configs()
                     if prices and prices.warm_launch_s is not None and not self.priced:
@@ -367,20 +376,17 @@ class Fleet:
                         self.view.note(self.budget.plan_line(prices, configs))
                     typical = prices.trial_s(self._next_reuses(servers)) if prices else 0.0
                     if self.budget.search_deadline(prices, configs) - time.time() < typical:
-                        if not self.out_of_time:
-                            measured = sum(bool(t.user_attrs.get("measured")) for t in self.study.get_trials(deepcopy=False))
-                            self.view.note(self.budget.stop_line(prices, measured, configs))
-                        self.out_of_time = True
-                        return None
+                        measured = sum(bool(t.user_attrs.get("measured")) for t in self.study.get_trials(deepcopy=False))
+                        return self._end(self.budget.stop_line(prices, measured, configs))
                 if time.monotonic() - self.last_sweep > HEARTBEAT_S:
                     self.last_sweep = time.monotonic()
                     fail_stale(self.study)
                 trials = self.study.get_trials(deepcopy=False)
                 measured = sum(bool(t.user_attrs.get("measured")) for t in trials)
                 running = sum(t.state == TrialState.RUNNING for t in trials)
-                if measured >= opts.trials:
-                    return None
-                if measured + running < opts.trials:
+                if opts.trials is not None and measured >= opts.trials:
+                    return self._end(f"search ended: the study holds {measured} measured trials (--trials {opts.trials})")
+                if opts.trials is None or measured + running < opts.trials:
                     return self._ask()
             if self.pool.waiting():  # a trial in flight may wait for the GPUs our idle server holds
                 servers.stop()

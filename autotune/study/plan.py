@@ -36,7 +36,7 @@ class RunOptions:
     workload: str = "code"
     slo: str | None = None
     objective: str = "throughput"
-    trials: int = DEFAULT_TRIALS
+    trials: int | None = DEFAULT_TRIALS  # measured trials at most; None: as many as the budget holds
     budget_s: float | None = None
     study: str | None = None
     storage: str | None = None
@@ -111,7 +111,9 @@ def options_from_cli(*, engine, budget, trials, resume, study, **rest) -> RunOpt
     for name, value in load.items():
         if rest.get(name) is None:
             rest[name] = value
-    return RunOptions(engine=engine, budget_s=budget_s, trials=DEFAULT_TRIALS if trials is None else trials,
+    # A budget the user gave is the limit: a count of 25 ended a 10-minute llama.cpp run (launches of 2 s) at 5.
+    trials = trials if trials is not None else (None if budget else DEFAULT_TRIALS)
+    return RunOptions(engine=engine, budget_s=budget_s, trials=trials,
                       resume=resume, study=study, **rest)
 
 
@@ -140,7 +142,7 @@ def build(opts: RunOptions) -> Plan:
     """Resolve and validate every input; raises ValueError (one line) on anything unusable."""
     objectives.metrics(opts.objective)
     profile = parse_load_profile(opts.load_profile) if opts.load_profile else None
-    if opts.trials < 1:
+    if opts.trials is not None and opts.trials < 1:
         raise ValueError("--trials must be at least 1")
     for flag, path in (("--model", opts.model), ("--draft-model", opts.draft_model)):
         if path and not Path(path).exists():
@@ -175,7 +177,8 @@ def describe(p: Plan, queue: list[tuple[str, dict]]) -> list[str]:
     lines = [f"plan: {o.engine} on {p.hardware.gpu_count} GPU(s), profile {profile.name if profile else 'none'} "
              f"({p.hardware.source}); workload {o.workload} at concurrency {o.concurrency}, {o.num_requests} requests "
              f"of {o.max_tokens} tokens; " + (f"load profile {p.load_profile}; " if p.load_profile else "")
-             + (f"budget {o.budget_s:g} s, " if o.budget_s else "") + f"{o.trials} trials",
+             + (f"budget {o.budget_s:g} s, " if o.budget_s else "")
+             + (f"{o.trials} trials" if o.trials is not None else "trials until the budget"),
              "", "space:"]
     width = max(map(len, p.space.params))
     for param in p.space.params.values():

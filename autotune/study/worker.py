@@ -51,5 +51,5 @@ def join(name: str, url: str, *, parallel: int | str = "auto", trials: int | Non
                          draft_model=opts.draft_model, workload=opts.workload, space_source=p.space.source)
     if live and console is not None:
         console.print(f"worker joined study {name} ({url}): {p.opts.parallel} trial(s) at a time, "
-                      f"until {opts.trials} measured trials")
+                      + (f"until {opts.trials} measured trials" if opts.trials is not None else "until the budget"))
     return run_trials(p, study, budget=spend, console=console)

@@ -620,3 +620,26 @@ def test_the_budget_counts_no_launch_for_a_queued_trial_that_reuses_the_running_
         assert fleet._next_trial(servers) is None and notes[-1].startswith("budget reached after")
     finally:
         servers.stop()
+
+
+def test_a_budget_the_user_gives_is_the_limit_and_the_search_says_why_it_ended(studies):
+    """llama.cpp at concurrency 8 on the H100 (2026-12-06): launches of 2 s, and the default count of 25 measured
+    trials ended a `--budget 10m` search at 3.8 minutes, the run at 5.0, with no word why. A budget given without
+    --trials is now the only limit; a count, given or the default without a budget, still ends the search, and
+    the run says which limit ended it."""
+    def opts(**given):
+        return plan.options_from_cli(engine="embedded", resume=False, study=None, **given).trials
+    assert opts(budget="10m", trials=None) is None
+    assert opts(budget=None, trials=None) == plan.DEFAULT_TRIALS and opts(budget="10m", trials=3) == 3
+    for trials, ended in ((2, "search ended: the study holds 2 measured trials (--trials 2)"), (None, None)):
+        p = plan.build(plan.RunOptions(trials=trials, study=f"count-{trials}", sets=ONE_SERVER, **SMALL))
+        study, _ = storage.open_study(p.name, p.storage, objectives.metrics("throughput"),
+                                      optuna.samplers.RandomSampler(seed=0), None, resume=False)
+        for _ in range(2):
+            study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"status": record.OK, "measured": True}))
+        fleet, notes = loop.Fleet(p), []
+        fleet.study, fleet.view, fleet.stop_request = study, type("View", (), {"note": notes.append})(), loop.Stop(None)
+        asked = fleet._next_trial(fleet.servers[0])
+        assert (asked is None) == (trials is not None) and notes == ([ended] if ended else [])
+        if trials is not None:  # every runner asks again: said once
+            assert fleet._next_trial(fleet.servers[0]) is None and len(notes) == 1
