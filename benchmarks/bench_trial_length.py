@@ -2,10 +2,11 @@
 
 A trial measured the asked load (the embedded engine's default: 8 requests of 48 tokens at concurrency 4):
 0.6 s on the H200, where noise decides the ranking. It now measures the requests that fill --min-measure
-(10 s) at the pace its quick wave showed (bench.runner.sized_load). Per configuration, on one warm server,
-rounds in rotating order of:
+(10 s) at the pace its quick wave showed (bench.runner.sized_load), repeated while its throughput's interval
+is wide (bench.runner.tightened). Per configuration, on one warm server, rounds in rotating order of:
   short:  the asked load, as trials measured before
-  sized:  a quick wave of `concurrency` requests, then the sized benchmark, as trials measure now
+  sized:  a quick wave of `concurrency` requests, then the sized benchmark and its repeats, as trials measure
+          now (sized_once: its first benchmark alone, as trials measured before the repeats)
   long:   the workload's requests repeated to fill --long-s (the configuration's speed on a long load)
 Reported: each kind's median tok/s, its ratio to the long median, and its worst round's ratio (max |x/long - 1|):
 the claim is that sized rounds land within 15% of the long load and short ones need not.
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autotune.bench import load_workload
-from autotune.bench.runner import MEASURE_S, measure_server, sized_load, warm_up
+from autotune.bench.runner import MEASURE_S, measure_server, sized_load, tightened, warm_up
 from autotune.engines import get_adapter
 from autotune.engines.launcher import launch
 
@@ -40,15 +41,20 @@ ASKED = {"concurrency": 4, "num_requests": 8, "max_tokens": 48}  # the embedded 
 WORKLOAD = "code"
 
 
+def bench(server, workload, n: int):
+    return measure_server(server, workload, concurrency=ASKED["concurrency"], num_requests=n,
+                          max_tokens=ASKED["max_tokens"])
+
+
 def tok_s(server, workload, n: int) -> tuple[float, float]:
-    summary, _ = measure_server(server, workload, concurrency=ASKED["concurrency"], num_requests=n,
-                                max_tokens=ASKED["max_tokens"])
+    summary, _ = bench(server, workload, n)
     return summary["output_tok_s"], summary["duration_s"]
 
 
 def rounds(server, workload, args) -> dict:
     c = ASKED["concurrency"]
-    out = {"short": [], "sized": [], "long": [], "sized_requests": [], "long_requests": []}
+    out = {"short": [], "sized": [], "sized_once": [], "long": [], "sized_requests": [], "sized_rounds": [],
+           "long_requests": []}
     for r in range(args.rounds):
         kinds = ["short", "sized", "long"]
         for kind in kinds[r % 3:] + kinds[:r % 3]:
@@ -57,8 +63,12 @@ def rounds(server, workload, args) -> dict:
             elif kind == "sized":
                 _, quick_s = tok_s(server, workload, c)
                 n = sized_load(ASKED["num_requests"], quick_s, c, c, MEASURE_S)
-                out["sized"].append(tok_s(server, workload, n)[0])
+                first = bench(server, workload, n)
+                pooled, _ = tightened(lambda n=n: bench(server, workload, n), *first)
+                out["sized_once"].append(first[0]["output_tok_s"])
+                out["sized"].append(pooled["output_tok_s"])
                 out["sized_requests"].append(n)
+                out["sized_rounds"].append(pooled["rounds"])
             else:
                 _, quick_s = tok_s(server, workload, c)
                 n = max(len(workload.requests), sized_load(len(workload.requests), quick_s, c, c, args.long_s))
@@ -66,7 +76,7 @@ def rounds(server, workload, args) -> dict:
                 out["long_requests"].append(n)
         print(f"  round {r}: " + ", ".join(f"{k} {out[k][-1]:.1f}" for k in kinds), flush=True)
     long = statistics.median(out["long"])
-    for kind in ("short", "sized"):
+    for kind in ("short", "sized_once", "sized"):
         out[f"{kind}_median_over_long"] = round(statistics.median(out[kind]) / long, 4)
         out[f"{kind}_worst_over_long"] = round(max(out[kind], key=lambda x: abs(x / long - 1)) / long, 4)
     return out
@@ -106,8 +116,8 @@ def main():
             server.stop()
         pool.shutdown()
     for name, r in record["results"].items():
-        print(f"{name}: short {r['short_median_over_long']:.3f} (worst {r['short_worst_over_long']:.3f}), "
-              f"sized {r['sized_median_over_long']:.3f} (worst {r['sized_worst_over_long']:.3f}) of long", flush=True)
+        print(f"{name}: " + ", ".join(f"{k} {r[f'{k}_median_over_long']:.3f} (worst {r[f'{k}_worst_over_long']:.3f})"
+                                      for k in ("short", "sized_once", "sized")) + " of long", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 - Output tok/s = output tokens of completed requests / wall time of the measured phase (vLLM, SGLang).
 - Percentiles: numpy linear interpolation (as both tools); ITL percentiles over all gaps of all requests.
 - Goodput: completed requests per second that meet every latency term of the SLO on their own values.
+- output_tok_s_ci: the relative half-width of output tok/s's 90% interval, from the requests as a sample (the
+  ratio estimate sum(tokens) / sum(e2e), delta method): what another as many requests could move it by.
 """
 import math
 from collections import Counter
@@ -102,7 +104,22 @@ def summarize(frame: pd.DataFrame, duration_s: float, slo: SLO | None = None) ->
     entropy = ok["prompt_entropy"].dropna()
     summary["prompt_entropy_mean"] = float(entropy.mean()) if len(entropy) else None
     summary["goodput"] = goodput(ok, slo) / duration_s if slo is not None else None
+    summary["output_tok_s_ci"] = throughput_ci(ok)
     return summary
+
+
+def throughput_ci(ok: pd.DataFrame, z: float = 1.645) -> float | None:
+    """Relative half-width of the 90% interval of the requests' pace sum(tokens) / sum(e2e): a closed loop's
+    output tok/s is that pace times the streams, so this is its sampling noise (prompts that draft well or
+    badly, a slow spell of the machine). None under 3 requests."""
+    if len(ok) < 3:
+        return None
+    tokens, seconds = ok["output_tokens"].to_numpy(float), ok["e2e_ms"].to_numpy(float) / 1000.0
+    if not tokens.sum() or not seconds.sum():
+        return None
+    pace = tokens.sum() / seconds.sum()
+    se = np.std(tokens - pace * seconds, ddof=1) / math.sqrt(len(ok)) / seconds.mean()
+    return float(z * se / pace)
 
 
 def acceptance_from_usage(ok: pd.DataFrame) -> dict:

@@ -54,7 +54,7 @@ class TrialRecord(TypedDict, total=False):
     quick: dict  # the quick first measurement's benchmark summary
     metrics: dict  # the full benchmark's summary (autotune/bench/metrics.py): output_tok_s, e2e_ms_p95, ...
     requests_file: str  # per-request parquet of the full benchmark
-    timings: dict  # launch_s, warmup_s, quick_s, bench_s, total_s
+    timings: dict  # launch_s, compile_s, warmup_s, quick_s, bench_requests, bench_rounds, bench_s, total_s
 
 
 def record(trial: FrozenTrial) -> TrialRecord:

@@ -3,8 +3,8 @@
 Suggest a config -> engine rules, hardware conditions, memory fit (rejected before any launch) ->
 dedupe by the engine's effective settings (a duplicate reuses the recorded result) -> reuse the
 running server when only runtime parameters changed, else launch -> warm-up (compile, graph capture:
-launch cost, never pruned for) -> quick measurement (pruned if hopeless) -> full benchmark -> SLO ->
-record everything (record.TrialRecord) -> tell Optuna.
+launch cost, never pruned for) -> quick measurement (pruned if hopeless) -> full benchmark (repeated while
+its throughput's interval is wide) -> SLO -> record everything (record.TrialRecord) -> tell Optuna.
 
 How outcomes reach the sampler. Optuna's TPE ignores FAIL trials, so a crash recorded as FAIL
 would be proposed again and again. Every failure is therefore told as PRUNED with a positive
@@ -26,7 +26,14 @@ from autotune import predict
 from autotune.bench import server_metrics
 from autotune.bench.load_profile import KEY_PREFIX
 from autotune.bench.metric_registry import HEADLINE
-from autotune.bench.runner import measure_server, measure_server_profile, sized_load, warm_up, warm_up_profile
+from autotune.bench.runner import (
+    measure_server,
+    measure_server_profile,
+    sized_load,
+    tightened,
+    warm_up,
+    warm_up_profile,
+)
 from autotune.bench.workloads import prompt_text
 from autotune.engines.launcher import LaunchError, launch
 from autotune.space import constraints
@@ -268,6 +275,11 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
                                                                 opts.concurrency or 1, opts.min_measure_s)
             attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(quick, quick_n, n)
             summary, requests = measure(p, servers, n, deadline_s=deadline)
+            if opts.min_measure_s:  # as long as its noise needs; 0: exactly the requests asked
+                summary, requests = tightened(  # while two more rounds fit before the search deadline
+                    lambda: measure(p, servers, n, deadline_s=deadline), summary, requests,
+                    room=lambda last_s: cut.deadline is None or cut.deadline - time.time() > 2 * last_s)
+                attrs["timings"]["bench_rounds"] = summary["rounds"]
     except BenchFailure as e:
         servers.stop()
         return finish(TrialState.PRUNED, constraint="feasible", status=record.FAILED, failure_kind=e.kind, failure=str(e))

@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 from autotune.engines.embedded import EmbeddedAdapter
 from autotune.study import loop, objectives, plan, price_memory, record, storage
 from autotune.study import trial as trial_life
+from autotune.bench import runner
 from autotune.bench.runner import MAX_LOAD_FACTOR, sized_load
 from autotune.study import budget as budget_mod
 from autotune.study.budget import Budget, Finish, Prices
@@ -512,7 +513,25 @@ def test_a_trial_measures_the_requests_that_fill_its_least_length(studies):
     assert t.user_attrs["status"] == record.OK
     assert timings["bench_requests"] == sized_load(2, timings["quick_s"], 1, 2, min_s=6.0) > 2
     rows = pd.read_parquet(t.user_attrs["requests_file"])
-    assert len(rows) == timings["bench_requests"] == t.user_attrs["metrics"]["completed"]
+    assert len(rows) == timings["bench_requests"] * timings["bench_rounds"] == t.user_attrs["metrics"]["completed"]
+
+
+@pytest.mark.slow
+def test_a_benchmark_whose_interval_is_wide_is_repeated_and_pooled(studies, monkeypatch):
+    """Issue 30 point 3: a trial's benchmark goes on while its throughput's 90% interval is wider than TIGHT_CI
+    (here every interval is: -1), at most MORE_ROUNDS more times; the figure is the pooled requests' tokens over
+    the rounds' summed load time. Where there is no room for more (the search deadline), none is run."""
+    monkeypatch.setattr(runner, "TIGHT_CI", -1.0)
+    opts = plan.RunOptions(trials=1, study="tight", sets=ONE_SERVER + ["draft_length=3", "verify_slots=2"],
+                           **{**SMALL, "min_measure_s": 1.0})
+    t = trials_of(loop.run_study(plan.build(opts)))[0]
+    metrics, timings = t.user_attrs["metrics"], t.user_attrs["timings"]
+    assert t.user_attrs["status"] == record.OK and timings["bench_rounds"] == runner.MORE_ROUNDS + 1
+    assert metrics["completed"] == timings["bench_requests"] * timings["bench_rounds"]
+    assert metrics["output_tok_s"] == pytest.approx(metrics["total_output_tokens"] / metrics["load_s"])
+    assert metrics["duration_s"] == timings["bench_s"] > metrics["load_s"]
+    wide = {"completed": 8, "output_tok_s_ci": 0.5, "duration_s": 10.0, "load_s": 9.0}
+    assert runner.tightened(None, wide, None, room=lambda last_s: False)[0]["rounds"] == 1  # no room: not called
 
 
 @pytest.mark.slow
