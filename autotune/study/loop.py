@@ -117,8 +117,8 @@ def run_trials(p: Plan, study: optuna.Study, *, budget: Budget | None, console=N
                close_queue: bool = False, queue: list[tuple[dict, dict]] = ()) -> Outcome:
     """Run trials (`queue`'s (config, user attrs) first, in order) until the study holds opts.trials measured
     ones (None: no count), the budget's search deadline would be overrun, the space is exhausted, or Ctrl-C;
-    then record the totals. `close_queue`: the study's own run closes trials another process queued in the storage and nobody
-    reached (a worker leaves them to the others)."""
+    then record the totals. `close_queue`: the study's own run closes trials another process queued in the
+    storage and nobody reached (a worker leaves them to the others)."""
     opts = p.opts
     (p.directory / "logs").mkdir(parents=True, exist_ok=True)
     fleet = Fleet(p)
