@@ -4,7 +4,7 @@
    --levels, --fit-repeats times, the k rotated cell by cell, each cell a closed loop of --phase-s seconds as an
    evaluation phase runs (study/schedule.measure_cell); study/schedule.fit chooses the schedule from these
    measurements alone (what `autotune run --fit-schedule` does after its own sweep).
-2. Evaluation (other prompts: workload seed --eval-seed): the ramp profile (each level for --phase-s
+2. Evaluation (the prompts in another order: workload seed --eval-seed): the ramp profile (each level for --phase-s
    seconds, closed loop, one after another) run --rounds times on every arm, the arms rotated per round:
    the schedule and each fixed k (k = 0 is plain decoding). Per arm the pooled tok/s of each round (tokens of
    all phases / their summed wall time) and the top phase's.
