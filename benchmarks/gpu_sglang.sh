@@ -36,6 +36,9 @@
 # 2026-12-06 the three pieces went over in 0.2 s of command time each and `autotune` installed and imported (the
 # machine was taken back before a GPU serve ran); an earlier, hand-picked set lacked pydantic, zstandard and uvicorn
 # (the SGLang bundle, 7 transfers more, stood in for them). Only SGLang itself needs `install`.
+# Issue 30's cells in one session (2026-12-06, H100, 22 device-minutes): put aw-000, aw-001, then aw-002 with .carry/ll,
+# `autotune`, and one detached job: `(nice -n 19 ... llama) & ENGINE=embedded BUDGET=10m tune 8; ... confirm 8; wait;
+# ENGINE=llamacpp BUDGET=10m tune 8; ... confirm 8` (the sweeps copied into GOUT first), polled twice.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 site=~/site out=${GOUT:-~/g}
