@@ -5,6 +5,7 @@
     python3 benchmarks/bench_gpu_tuner.py tuner   --out DIR [--engine ...] --concurrency 4 [--trials 8 --budget 3m]
     python3 benchmarks/bench_gpu_tuner.py confirm --out DIR [--engine ...] [--rounds 3] [--concurrency 1 4 8]
     python3 benchmarks/bench_gpu_tuner.py summarize --out DIR [--engine ...]   # -> DIR/summary[-ENGINE].json
+    python3 benchmarks/bench_gpu_tuner.py table --out DIR                      # -> DIR/tuner-vs-best.json
 
 prewarm: a fresh machine compiles each KV-cache shape once (the cache is static in the compiled graph, so each
 verify-slot count is a compilation of its own; minutes cold, under a minute from the inductor cache after). The
@@ -24,6 +25,9 @@ step (it has its own benchmark, bench_estimator.py). `wall_s` is what a user wai
 export, report); `search_s` the trials alone; `to_best_s` until the trial the validation chose had finished.
 confirm: the sweep's best and the tuner's validated winner per concurrency, relaunched side by side and
 measured in alternation (`--rounds` each): the ratio comes from this run, not from the runs that chose them.
+table: issue 30 point 6's rows, one per engine and concurrency that has a tuner run and a confirm in DIR; best
+known = the better of the two relaunched medians (the tuner's export can beat the sweep), the commit the tuner's
+study recorded.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from autotune.bench import load_workload
 from autotune.bench.runner import measure_server, warm_up
 from autotune.engines import ENGINES, get_adapter
 from autotune.engines.launcher import LaunchError, launch
+from autotune.study.plan import parse_duration
 
 FAST = {"compile": "inductor", "cuda_graph_batch_sizes": [1, 2, 4, 8]}
 SLOW = {"compile": "none", "cuda_graph_batch_sizes": []}
@@ -302,9 +307,39 @@ def summarize(args):
     print(yaml.safe_dump(summary, sort_keys=False))
 
 
+def table(args):
+    out, rows, commits = Path(args.out), [], set()
+    for engine in sorted(ENGINES):
+        confirmed = sweep_path(out, engine, "confirm")
+        for c, k in sorted((json.loads(confirmed.read_text()) if confirmed.exists() else {}).items(), key=lambda x: int(x[0])):
+            path = tuner_path(out, engine, int(c))
+            if not path.exists():
+                continue
+            t = json.loads(path.read_text())
+            argv = t["argv"]
+            study = out / "studies" / tuner_name(engine, int(c)) / "provenance.json"
+            if study.exists():
+                commits.add(json.loads(study.read_text()).get("commit", "")[:7])
+            same = k.get("same_configuration", False)
+            best = None if same else max(k["sweep_best"]["median"], k["tuner"]["median"])
+            rows.append({"engine": engine, "concurrency": int(c),
+                         "tuner_validated_tok_s": round(t["tuner_validated_tok_s"], 1) if t["tuner_validated_tok_s"] else None,
+                         "best_known_tok_s": round(best, 1) if best else None,
+                         "sweep_best_relaunched_tok_s": None if same else round(k["sweep_best"]["median"], 1),
+                         "tuner_relaunched_tok_s": None if same else round(k["tuner"]["median"], 1),
+                         "ratio_tuner_over_best_known": 1.0 if same else round(k["tuner"]["median"] / best, 3),
+                         "ratio_tuner_over_sweep_best": round(k["ratio_tuner_over_sweep"], 3),
+                         **({"same_configuration": True} if same else {}),
+                         "budget_s": (parse_duration(argv[argv.index("--budget") + 1]) if "--budget" in argv else None),
+                         "wall_s": t["wall_s"], "trials": t["trials"], "tie": t["tie"]})
+    doc = {"commit": ", ".join(sorted(commits)) or provenance.commit(), "rows": rows}
+    (out / "tuner-vs-best.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["prewarm", "sweep", "tuner", "confirm", "summarize"])
+    ap.add_argument("step", choices=["prewarm", "sweep", "tuner", "confirm", "summarize", "table"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--engine", choices=sorted(ENGINES), default="embedded", help="sweep: embedded or llamacpp")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -321,7 +356,8 @@ def main():
     ap.add_argument("--launch-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
     args = ap.parse_args()
-    {"prewarm": prewarm, "sweep": sweep, "tuner": tuner, "confirm": confirm, "summarize": summarize}[args.step](args)
+    {"prewarm": prewarm, "sweep": sweep, "tuner": tuner, "confirm": confirm, "summarize": summarize,
+     "table": table}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #          ENGINE=embedded bash benchmarks/gpu_sglang.sh tune C... &  # the same for another engine
 #          bash benchmarks/gpu_sglang.sh compare C SIDE...            # winners relaunched, alternated
 #          ENGINE=E bash benchmarks/gpu_sglang.sh confirm C...        # issue 30: tuner vs best known (GOUT/sweep*.json)
+#          bash benchmarks/gpu_sglang.sh table                        # issue 30: GOUT/tuner-vs-best.json from those
 #          bash benchmarks/gpu_sglang.sh schedule [ARGS]              # bench_schedule.py --gpu (issue 34)
 #          bash benchmarks/gpu_sglang.sh status                       # what the detached step has written so far
 # Start detached steps with setsid and poll with `status`: the machine goes back 30 s after a call ends, so
@@ -48,7 +49,7 @@ export TORCHINDUCTOR_CACHE_DIR=~/ind TRITON_CACHE_DIR=~/tri  # kept between call
 llama_path=~/llama-server.path  # the machine's build, whichever GOUT a step writes to
 [ ! -s $llama_path ] || export AUTOTUNE_LLAMA_SERVER=$(cat $llama_path)
 hf_dir() { python3 -c "from autotune.engines.hf_model import bundled_hf_dir; import sys; print(bundled_hf_dir(sys.executable))"; }  # made and checked once per machine
-step=${1:?put, autotune, llama, prewarm, install, hf, smoke, tune, compare, schedule or status}
+step=${1:?put, autotune, llama, prewarm, install, hf, smoke, tune, confirm, table, compare, schedule or status}
 shift
 case $step in
   put)
@@ -107,6 +108,8 @@ case $step in
       python3 "$here/benchmarks/bench_gpu_tuner.py" confirm --out $out --engine "$engine" --concurrency "$c" \
         --rounds 4 --per-stream 16 > "$out/confirm-$engine-c$c.log" 2>&1 || echo "confirm $engine c=$c: exit $?" >> $out/failed
     done ;;
+  table)  # issue 30's rows from every tune + confirm in GOUT
+    python3 "$here/benchmarks/bench_gpu_tuner.py" table --out $out > $out/table.log 2>&1 ;;
   compare)
     c=${1:?concurrency}
     shift
