@@ -16,6 +16,7 @@ the claim is that sized rounds land within 15% of the long load and short ones n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -63,8 +64,9 @@ def rounds(server, workload, args) -> dict:
             elif kind == "sized":
                 _, quick_s = tok_s(server, workload, c)
                 n = sized_load(ASKED["num_requests"], quick_s, c, c, MEASURE_S)
-                first = bench(server, workload, n)
-                pooled, _ = tightened(lambda n=n: bench(server, workload, n), *first)
+                once = functools.partial(bench, server, workload, n)
+                first = once()
+                pooled, _ = tightened(once, *first)
                 out["sized_once"].append(first[0]["output_tok_s"])
                 out["sized"].append(pooled["output_tok_s"])
                 out["sized_requests"].append(n)

@@ -14,6 +14,7 @@ and a positive `slo` constraint.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -274,10 +275,11 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, p: Plan, servers: Serve
             attrs["timings"]["bench_requests"] = n = sized_load(asked, quick.get("duration_s"), quick_n,
                                                                 opts.concurrency or 1, opts.min_measure_s)
             attrs["timings"]["bench_deadline_s"] = deadline = bench_deadline(quick, quick_n, n)
-            summary, requests = measure(p, servers, n, deadline_s=deadline)
+            once = functools.partial(measure, p, servers, n, deadline_s=deadline)
+            summary, requests = once()
             if opts.min_measure_s:  # as long as its noise needs; 0: exactly the requests asked
                 summary, requests = tightened(  # while two more rounds fit before the search deadline
-                    lambda: measure(p, servers, n, deadline_s=deadline), summary, requests,
+                    once, summary, requests,
                     room=lambda last_s: cut.deadline is None or cut.deadline - time.time() > 2 * last_s)
                 attrs["timings"]["bench_rounds"] = summary["rounds"]
     except BenchFailure as e:
